@@ -1,0 +1,62 @@
+# kvconductor — run `make help` for the targets.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/kvconductor/v1/*.proto)
+PROTO_STAMP := protos/kvconductor/v1/.generated
+CONFIG ?= deploy/config.toml
+TE_LIBS := libibverbs1 librdmacm1 libnuma1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: help install protos lint format typecheck test run model clean all
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+install: $(STAMP) protos ## Create .venv, install Debian libs (as root) and all Python packages
+
+$(STAMP): pyproject.toml
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 || ! ldconfig -p | grep -q libnuma.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages for the Mooncake Transfer Engine: $(TE_LIBS)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TE_LIBS) >/dev/null; \
+	  else \
+	    echo "error: the Mooncake Transfer Engine needs: sudo apt-get install -y $(TE_LIBS)"; exit 1; \
+	  fi; \
+	fi
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+protos: $(PROTO_STAMP) ## Generate the gRPC/protobuf Python code from protos/
+
+$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
+	touch $@
+
+lint: install ## ruff check + format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install ## Apply ruff fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: install ## mypy (strict on scheduler/ and engine/)
+	$(BIN)/mypy scheduler engine services
+
+test: install ## Run the test suite (starts its own etcd and services)
+	$(BIN)/pytest
+
+run: install ## Start a whole local cluster from $(CONFIG) and serve until Ctrl-C
+	$(BIN)/kvconductor up --config $(CONFIG)
+
+all: lint typecheck test ## Lint, type-check and test
+
+clean: ## Remove the venv, generated code, run directories and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs build *.egg-info
+	rm -f protos/kvconductor/v1/*_pb2*.py protos/kvconductor/v1/*_pb2*.pyi $(PROTO_STAMP)
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

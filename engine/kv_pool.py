@@ -1,0 +1,79 @@
+"""KVPool: one contiguous tensor holding the KV cache of every layer, block-major.
+
+A block is ONE contiguous byte range, so a transfer engine moves a block with a
+single (address, length) pair::
+
+    data[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+    base_address
+    |<------------------------- block 0 (bytes_per_block) ------------------------->|<- block 1 ...
+    | layer 0: K[block_size, H, D] | V[block_size, H, D] | layer 1: K | V | ... | layer L-1: K | V |
+
+    block_address(b) = base_address + b * bytes_per_block
+"""
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVPool:
+    """The paged KV cache: token ``p`` of a request lives in ``block_table[p // block_size]``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        *,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+    ) -> None:
+        """Allocate the pool from an explicit block count or a byte budget (exactly one of them)."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
+        block_shape = (config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+        per_block = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        count = num_blocks if num_blocks is not None else (kv_cache_bytes or 0) // per_block
+        if count <= 0:
+            raise ValueError(f"KV pool must hold at least one block ({per_block} bytes), got {count} blocks")
+        self._block_size = block_size
+        self._bytes_per_block = per_block
+        self.data = torch.zeros((count, *block_shape), dtype=dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks in the pool."""
+        return self.data.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block (K and V of every layer)."""
+        return self._bytes_per_block
+
+    @property
+    def base_address(self) -> int:
+        """Address of block 0 (register this memory with a transfer engine)."""
+        return int(self.data.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the pool in bytes."""
+        return self.num_blocks * self._bytes_per_block
+
+    def block_address(self, block_id: int) -> int:
+        """Address of the first byte of ``block_id``."""
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block_id {block_id} out of range [0, {self.num_blocks})")
+        return self.base_address + block_id * self._bytes_per_block
+
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """View ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` of one layer's K and V."""
+        return self.data[:, layer_idx]

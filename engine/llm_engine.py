@@ -1,0 +1,185 @@
+"""LLMEngine: the narrow, single-threaded interface a worker drives.
+
+``step()`` reads like the algorithm: schedule, run the model, sample, update.
+Besides plain requests it supports both halves of prefill/decode disaggregation:
+``prefill_only`` requests finish after their first token and hold their KV blocks
+until ``release``; on the decode side ``reserve`` sets blocks aside for KV that
+arrives from another process, and ``add_prefilled_request`` decodes from them.
+"""
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.checkpoint import load_checkpoint
+from engine.kv_pool import KVPool
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.outputs import StepOutput
+from engine.request import Request
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler
+
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and prefix-cache counters."""
+
+    num_waiting: int  # requests not yet admitted
+    num_running: int  # admitted requests (prefilling or decoding)
+    prefix_cache_query_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # of which found
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    """Continuous-batching inference over a paged, prefix-cached KV pool."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        kv_cache_bytes: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        dtype: str = "float32",
+    ) -> None:
+        """Load the checkpoint; size the pool by ``num_blocks``, else ``kv_cache_bytes``, else 512 MiB."""
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if num_blocks is None and kv_cache_bytes is None:
+            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+        self.config, state = load_checkpoint(model_dir)
+        model = CausalLM.from_state_dict(self.config, state, _DTYPES[dtype])
+        self.kv_pool = KVPool(
+            self.config, block_size, _DTYPES[dtype], num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes
+        )
+        self.block_manager = BlockManager(self.kv_pool.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_model_len=self.config.max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            eos_token_ids=self.config.eos_token_ids,
+        )
+        self.runner = ModelRunner(model, self.kv_pool)
+        self._reserved: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks that can be allocated now (evictable cached blocks included)."""
+        return self.block_manager.num_free_blocks
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool = False
+    ) -> None:
+        """Queue a request; raises ValueError if the prompt is empty, too long, or can never fit the pool."""
+        self._check_new(request_id, prompt_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params.with_seed(), prefill_only)
+        self.scheduler.add(request)
+
+    def step(self) -> list[StepOutput]:
+        """Run one prefill or decode step; returns an output per request that got a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.run(batch)
+        rows = batch.sample_rows()
+        requests = [batch.requests[row] for row in rows]
+        tokens = sample(
+            logits[rows], [r.params for r in requests], [len(r.output_token_ids) for r in requests]
+        )
+        return self.scheduler.update(batch, dict(zip(rows, tokens, strict=True)))
+
+    def stats(self) -> EngineStats:
+        """Load and prefix-cache counters."""
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            prefix_cache_query_tokens=bm.num_hit_tokens + bm.num_miss_tokens,
+            prefix_cache_hit_tokens=bm.num_hit_tokens,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is waiting or running."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (waiting, running, held or reserved) and free its blocks; ignores unknown ids."""
+        self.scheduler.abort(request_id)
+        blocks = self._reserved.pop(request_id, None)
+        if blocks is not None:
+            self.block_manager.free(blocks)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished prefill-only request (after its KV was transferred)."""
+        self.scheduler.release(request_id)
+
+    def reserve(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
+        """Allocate blocks for a whole request whose KV arrives from elsewhere; None if too few are free."""
+        if request_id in self._reserved:
+            raise ValueError(f"request {request_id!r} already has a reservation")
+        blocks = self.block_manager.allocate(self.scheduler.num_blocks_for(num_prompt_tokens, params, False))
+        if blocks is not None:
+            self._reserved[request_id] = blocks
+        return blocks
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> StepOutput | None:
+        """Decode a request whose prompt KV was written into its reserved blocks.
+
+        ``first_token_id`` is output index 0 (sampled by the prefill side). Returns the
+        finished output if that token already ends the request, else None.
+        """
+        blocks = self._reserved.get(request_id)
+        if blocks is None:
+            raise ValueError(f"request {request_id!r} has no reservation; call reserve() first")
+        if len(blocks) != self.scheduler.num_blocks_for(len(prompt_token_ids), params, False):
+            raise ValueError(f"prompt length {len(prompt_token_ids)} does not match the reservation")
+        del self._reserved[request_id]
+        request = Request(request_id, list(prompt_token_ids), params, block_table=blocks)
+        request.num_computed_tokens = len(prompt_token_ids)
+        return self.scheduler.add_running(request, first_token_id)
+
+    def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Return and clear the (stored, removed) block hashes since the last call."""
+        return self.block_manager.pop_events()
+
+    def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Reject duplicate ids and token ids outside the vocabulary."""
+        live = [*self.scheduler.waiting, *self.scheduler.running, *self.scheduler.held.values()]
+        if request_id in self._reserved or any(r.request_id == request_id for r in live):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+
+
+def generate(engine: LLMEngine, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    """Run one request to completion on an otherwise idle engine and return its output tokens."""
+    request_id = f"generate-{uuid.uuid4().hex}"
+    engine.add_request(request_id, prompt_token_ids, params)
+    tokens: list[int] = []
+    while True:
+        outputs = engine.step()
+        for out in outputs:
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                if out.finished:
+                    return tokens
+        if not outputs and not engine.scheduler.running:
+            raise RuntimeError("request cannot be admitted: not enough free KV blocks")
+
+
+__all__ = ["EngineStats", "LLMEngine", "SamplingParams", "StepOutput", "generate"]

@@ -1,0 +1,201 @@
+"""Continuous-batching scheduler: admission, chunked prefill, decode, and finishing.
+
+Each step is either a prefill step (chunks of prompts, several requests packed up
+to ``max_num_batched_tokens``; requests already prefilling go first) or, when no
+prompt is left to compute, a decode step of every running request. A request is
+admitted only when the blocks for the whole request can be allocated, so decode
+never runs out of blocks and nothing is ever preempted. Admission is FIFO: the
+head of the queue is never skipped.
+"""
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.outputs import StepOutput
+from engine.request import Request, RequestStatus
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """The requests of one step and how many new tokens each computes."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    def sample_rows(self) -> list[int]:
+        """Rows whose chunk reaches the end of their known tokens: they sample a token this step."""
+        pairs = zip(self.requests, self.num_new_tokens, strict=True)
+        return [i for i, (r, n) in enumerate(pairs) if r.num_computed_tokens + n == r.num_tokens]
+
+
+class Scheduler:
+    """Owns the waiting/running queues and every block a request holds."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        """Create empty queues; limits must be positive."""
+        if min(max_model_len, max_num_batched_tokens, max_num_seqs) <= 0:
+            raise ValueError("max_model_len, max_num_batched_tokens and max_num_seqs must be positive")
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # finished prefill-only requests keeping their blocks
+
+    def num_blocks_for(self, num_prompt_tokens: int, params: SamplingParams, prefill_only: bool) -> int:
+        """Blocks a request reserves: prompt plus ``max_tokens`` (capped at max_model_len), or prompt only."""
+        if num_prompt_tokens <= 0:
+            raise ValueError("prompt must not be empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens leaves no room in max_model_len {self.max_model_len}"
+            )
+        total = (
+            num_prompt_tokens
+            if prefill_only
+            else min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        )
+        needed = -(-total // self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks but the pool has {self.block_manager.num_blocks}"
+            )
+        return needed
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it could never fit."""
+        self.num_blocks_for(request.num_prompt_tokens, request.params, request.prefill_only)
+        self.waiting.append(request)
+
+    def add_running(self, request: Request, first_token_id: int) -> StepOutput | None:
+        """Start decoding a request whose prompt KV is in its blocks; returns the output if it finishes."""
+        request.status = RequestStatus.RUNNING
+        self._commit_blocks(request)
+        output = self._append_token(request, first_token_id)
+        if not output.finished:
+            self.running.append(request)
+            return None
+        return output
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's batch, or None when there is nothing to run."""
+        batch = self._schedule_prefill()
+        if batch.requests:
+            return batch
+        if self.running:
+            return ScheduledBatch(list(self.running), [1] * len(self.running))
+        return None
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[StepOutput]:
+        """Advance the batch's requests after the forward; ``sampled`` maps batch rows to new tokens."""
+        outputs = []
+        for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+            request.num_computed_tokens += num_new
+            self._commit_blocks(request)
+            if row in sampled:
+                outputs.append(self._append_token(request, sampled[row]))
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks; unknown ids are ignored."""
+        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        for request in [r for r in self.running if r.request_id == request_id]:
+            self.running.remove(request)
+            self.block_manager.free(request.block_table)
+        self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request held; unknown ids are ignored."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request.block_table)
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        """Continue prefilling requests, then admit waiting ones, within the token budget."""
+        batch = ScheduledBatch([], [])
+        budget = self.max_num_batched_tokens
+        for request in self.running:
+            if request.is_prefilling and budget > 0:
+                budget -= self._add_chunk(batch, request, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._admit(self.waiting[0]):
+                break
+            request = self.waiting.popleft()
+            self.running.append(request)
+            budget -= self._add_chunk(batch, request, budget)
+        return batch
+
+    @staticmethod
+    def _add_chunk(batch: ScheduledBatch, request: Request, budget: int) -> int:
+        """Add the next prompt chunk of ``request`` (at most ``budget`` tokens); return its size."""
+        size = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
+        batch.requests.append(request)
+        batch.num_new_tokens.append(size)
+        return size
+
+    def _admit(self, request: Request) -> bool:
+        """Give ``request`` its cached prefix blocks plus new ones for the rest, or leave it unchanged."""
+        manager = self.block_manager
+        needed = self.num_blocks_for(request.num_prompt_tokens, request.params, request.prefill_only)
+        # Cap the match so the last prompt token is always recomputed (its logits give the first token).
+        hashes = request.full_block_hashes(manager.block_size, request.num_prompt_tokens - 1)
+        hits = manager.match_prefix(hashes, request.prompt_token_ids)
+        new_blocks = manager.allocate(needed - len(hits))
+        if new_blocks is None:
+            manager.free(hits)
+            return False
+        request.block_table = hits + new_blocks
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * manager.block_size
+        request.num_committed_blocks = len(hits)
+        manager.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+        request.status = RequestStatus.RUNNING
+        return True
+
+    def _commit_blocks(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        manager = self.block_manager
+        hashes = request.full_block_hashes(manager.block_size, request.num_computed_tokens)
+        manager.commit_full_blocks(
+            request.block_table, hashes, request.token_ids, request.num_committed_blocks
+        )
+        request.num_committed_blocks = len(hashes)
+
+    def _append_token(self, request: Request, token_id: int) -> StepOutput:
+        """Record a sampled token, finish the request if a stop condition holds, and report it."""
+        request.output_token_ids.append(token_id)
+        reason = self._finish_reason(request)
+        finished = reason is not None or request.prefill_only
+        block_ids: list[int] = []
+        if finished:
+            request.status, request.finish_reason = RequestStatus.FINISHED, reason
+            if request.prefill_only:
+                self.held[request.request_id] = request
+                block_ids = list(request.block_table)
+            else:
+                self.block_manager.free(request.block_table)
+        return StepOutput(
+            request.request_id, [token_id], finished, reason, request.num_cached_tokens, block_ids
+        )
+
+    def _finish_reason(self, request: Request) -> str | None:
+        """Return "stop", "length" or None for a request whose last output token was just added."""
+        params, token_id = request.params, request.output_token_ids[-1]
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None

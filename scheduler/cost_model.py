@@ -1,0 +1,110 @@
+"""Empirical cost models: prefill time, decode step time and KV transfer time, fitted from measurements.
+
+Prefill of ``new`` tokens on top of ``cached`` reused ones costs a fixed overhead, a per-token term
+(the linear layers) and an attention term: new token i attends to ``cached + i`` earlier tokens, so
+the attention work is ``sum_i (cached + i) = new * (cached + new / 2)``::
+
+    T_prefill(new, cached) = c0 + c1 * new + c2 * new * (cached + new / 2)
+
+A decode step over a batch costs a fixed overhead, a per-sequence term and a term in the total
+context the batch attends to::
+
+    T_step(batch, context) = d0 + d1 * batch + d2 * context
+
+Moving KV costs a latency plus bytes over bandwidth. Coefficients come from least squares over measured
+samples (a start-up profile each worker runs and publishes with its etcd record) and are clamped at
+zero, so a noisy fit can never predict negative time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+def _lstsq_nonneg(features: list[list[float]], seconds: Sequence[float]) -> list[float]:
+    if len(features) < len(features[0]):
+        raise ValueError(f"need at least {len(features[0])} samples to fit, got {len(features)}")
+    coef, *_ = np.linalg.lstsq(np.asarray(features), np.asarray(seconds), rcond=None)
+    return [max(0.0, float(c)) for c in coef]
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """T_prefill(new, cached) in seconds."""
+
+    c0: float
+    c1: float
+    c2: float
+
+    def predict(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Predicted seconds to compute ``new_tokens`` after ``cached_tokens`` of reused KV."""
+        if new_tokens <= 0:
+            return 0.0
+        return self.c0 + self.c1 * new_tokens + self.c2 * new_tokens * (cached_tokens + new_tokens / 2)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> PrefillModel:
+        """Least-squares fit from (new_tokens, cached_tokens, seconds) samples."""
+        features = [[1.0, float(n), n * (c + n / 2)] for n, c, _ in samples]
+        return cls(*_lstsq_nonneg(features, [s for *_, s in samples]))
+
+    def to_dict(self) -> dict[str, float]:
+        """Coefficients by name, for the instance record."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float]) -> PrefillModel:
+        """Inverse of to_dict."""
+        return cls(float(data["c0"]), float(data["c1"]), float(data["c2"]))
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """T_step(batch, context) in seconds: one decode step of a continuous batch."""
+
+    d0: float
+    d1: float
+    d2: float
+
+    def predict(self, batch_size: int, total_context: int) -> float:
+        """Predicted seconds of one step for ``batch_size`` sequences attending to ``total_context`` tokens."""
+        if batch_size <= 0:
+            return 0.0
+        return self.d0 + self.d1 * batch_size + self.d2 * total_context
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> DecodeModel:
+        """Least-squares fit from (batch_size, total_context, seconds) samples."""
+        features = [[1.0, float(b), float(c)] for b, c, _ in samples]
+        return cls(*_lstsq_nonneg(features, [s for *_, s in samples]))
+
+    def to_dict(self) -> dict[str, float]:
+        """Coefficients by name, for the instance record."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float]) -> DecodeModel:
+        """Inverse of to_dict."""
+        return cls(float(data["d0"]), float(data["d1"]), float(data["d2"]))
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """T_transfer(bytes) = latency + bytes / bandwidth, in seconds."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def predict(self, num_bytes: int) -> float:
+        """Predicted seconds to move ``num_bytes``."""
+        if num_bytes <= 0:
+            return 0.0
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+    @classmethod
+    def from_gbps(cls, gbps: float, latency_s: float = 0.003) -> TransferModel:
+        """A model from a configured link speed in Gbit/s (the default latency is the TCP per-call cost)."""
+        return cls(latency_s, gbps * 1e9 / 8)

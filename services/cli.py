@@ -1,0 +1,99 @@
+"""The ``kvconductor`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from services.config import ConfigError, load_config
+
+DESCRIPTION = """\
+kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a global scheduler.
+
+  kvconductor up --config deploy/config.toml            whole local cluster (embedded etcd), until Ctrl-C
+  kvconductor serve prefill --config C --id prefill-0   one process, for multi-machine deployments
+  kvconductor status --config C                         instances, load and cost models
+  kvconductor make-model --out models/tiny-llama        the small random-weight default model
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (defaults apply to every missing key)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config key, e.g. --set prefill.node_count=2 (repeatable)",
+    )  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvconductor", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a whole local cluster and serve until Ctrl-C")
+    _add_config_args(up)
+    up.add_argument("--run-dir", help="directory for the log files (default: [cluster] run_dir/<timestamp>)")
+
+    serve = sub.add_parser("serve", help="run one process of the cluster")
+    serve.add_argument("role", choices=["kvmeta", "conductor", "prefill", "decode", "colocated", "gateway"])
+    serve.add_argument("--id", required=True, help="instance id, unique in the cluster (e.g. prefill-0)")
+    _add_config_args(serve)
+
+    status = sub.add_parser("status", help="instances, their load and their fitted cost models")
+    _add_config_args(status)
+
+    make = sub.add_parser(
+        "make-model", help="write the small random-weight default model (Hugging Face layout)"
+    )
+    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    return parser
+
+
+def _setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvconductor`` console script."""
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if args.command == "make-model":
+            from engine.checkpoint import make_model
+
+            make_model(args.out, seed=args.seed)
+            print(f"wrote {args.out}")
+            return 0
+        config = load_config(args.config, args.set)
+        if args.command == "up":
+            from services.launcher import up
+
+            _setup_logging(config.telemetry.log_level, "up")
+            return up(args.config, args.set, args.run_dir)
+        if args.command == "serve":
+            from services.serve import run
+
+            _setup_logging(config.telemetry.log_level, args.id)
+            run(config, args.role, args.id)
+            return 0
+        from services.status import print_status
+
+        return print_status(config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

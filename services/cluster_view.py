@@ -1,0 +1,159 @@
+"""The Conductor's view of the cluster: instances from etcd, their cost models and the work it assigned.
+
+Records arrive from the registry watch (on its thread) and are applied on the event loop. Load is the
+Conductor's own bookkeeping of what it sent where, which is exact for the work it schedules:
+
+* a prefill instance's ``T_queue`` is the predicted prefill time still ahead of a new request: the
+  sum of predictions for requests in flight there, less the time the oldest has already run;
+* a decode instance's batch size, context and reserved blocks are those of its requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
+from scheduler.cost_model import DecodeModel, PrefillModel
+from scheduler.policy import DecodeCandidate, PrefillCandidate
+from services.registry import InstanceEvent
+
+log = logging.getLogger(__name__)
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass
+class Assignment:
+    """One request's footprint on an instance."""
+
+    predicted_prefill_s: float
+    assigned_at: float
+    context_tokens: int
+    num_blocks: int
+
+
+@dataclass
+class InstanceView:
+    """One worker instance."""
+
+    role: str
+    instance_id: str
+    record: dict[str, Any]
+    channel: grpc.aio.Channel
+    prefill_model: PrefillModel
+    decode_model: DecodeModel
+    prefilling: dict[str, Assignment] = field(default_factory=dict)
+    decoding: dict[str, Assignment] = field(default_factory=dict)
+
+    @property
+    def prefill_stub(self) -> prefill_pb2_grpc.PrefillStub:
+        """Stub of the Prefill service."""
+        return prefill_pb2_grpc.PrefillStub(self.channel)
+
+    @property
+    def decode_stub(self) -> decode_pb2_grpc.DecodeStub:
+        """Stub of the Decode service."""
+        return decode_pb2_grpc.DecodeStub(self.channel)
+
+    @property
+    def colocated_stub(self) -> colocated_pb2_grpc.ColocatedStub:
+        """Stub of the Colocated service."""
+        return colocated_pb2_grpc.ColocatedStub(self.channel)
+
+    @property
+    def worker_stub(self) -> worker_pb2_grpc.WorkerStub:
+        """Stub of the Worker service."""
+        return worker_pb2_grpc.WorkerStub(self.channel)
+
+    def t_queue(self, now: float) -> float:
+        """Predicted seconds of prefill work ahead of a request arriving now."""
+        if not self.prefilling:
+            return 0.0
+        total = sum(a.predicted_prefill_s for a in self.prefilling.values())
+        oldest = min(a.assigned_at for a in self.prefilling.values())
+        return max(0.0, total - (now - oldest))
+
+    def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
+        """This instance as a prefill candidate."""
+        return PrefillCandidate(self.instance_id, prefix_len, self.t_queue(now), self.prefill_model)
+
+    def decode_candidate(self) -> DecodeCandidate:
+        """This instance as a decode candidate."""
+        used = sum(a.num_blocks for a in self.decoding.values())
+        return DecodeCandidate(
+            self.instance_id,
+            num_running=len(self.decoding),
+            total_context=sum(a.context_tokens for a in self.decoding.values()),
+            num_free_blocks=int(self.record["num_blocks"]) - used,
+            max_running=int(self.record["max_concurrent_requests"]),
+            model=self.decode_model,
+        )
+
+
+class ClusterView:
+    """Instances by role, kept in step with etcd."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, InstanceView] = {}
+        self.kvmeta_address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Apply registry events on ``loop`` from now on."""
+        self._loop = loop
+
+    def on_event(self, event: InstanceEvent) -> None:
+        """Registry callback (any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._apply, event)
+
+    def _apply(self, event: InstanceEvent) -> None:
+        if event.role == "kvmeta":
+            self.kvmeta_address = event.record["address"] if event.kind == "put" and event.record else ""
+            return
+        if event.role not in WORKER_ROLES:
+            return
+        old = self.instances.pop(event.instance_id, None)
+        if event.kind == "delete" or event.record is None:
+            log.info("%s %s left", event.role, event.instance_id)
+            if old is not None:
+                asyncio.ensure_future(old.channel.close())
+            return
+        record = event.record
+        same_address = old is not None and old.record["address"] == record["address"]
+        view = InstanceView(
+            event.role,
+            event.instance_id,
+            record,
+            old.channel if old is not None and same_address else grpc.aio.insecure_channel(record["address"]),
+            PrefillModel.from_dict(record["cost_model"]["prefill"]),
+            DecodeModel.from_dict(record["cost_model"]["decode"]),
+        )
+        if old is not None and same_address:
+            view.prefilling, view.decoding = old.prefilling, old.decoding
+        self.instances[event.instance_id] = view
+        if old is None:
+            log.info("%s %s joined at %s", event.role, event.instance_id, record["address"])
+
+    def pool(self, role: str) -> list[InstanceView]:
+        """Instances of one role, by id."""
+        return sorted((v for v in self.instances.values() if v.role == role), key=lambda v: v.instance_id)
+
+    def max_model_len(self) -> int:
+        """The smallest context length any worker serves (0 when there is none)."""
+        lengths = [int(v.record["max_model_len"]) for v in self.instances.values()]
+        return min(lengths, default=0)
+
+    def block_size(self) -> int:
+        """KV block size shared by the workers."""
+        return next((int(v.record["block_size"]) for v in self.instances.values()), 16)
+
+
+def request_blocks(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a worker reserves for a whole request."""
+    return math.ceil((num_prompt_tokens + max_tokens) / block_size)

@@ -1,0 +1,127 @@
+"""The decode worker: reserves KV blocks, lets a prefill worker write the prompt's KV into them, decodes.
+
+Per request::
+
+    Reserve: blocks for prompt + max_tokens, so decoding never runs out of KV memory; the addresses of
+             the prompt's blocks go back to the Conductor, which hands them to the prefill worker
+    Decode:  the prompt's KV is in place; the request joins the continuous batch with token 0 from
+             prefill and streams every later token
+    Release: a reservation that will not be decoded
+
+A reservation whose Decode call has not come within ``kv_transfer_timeout_s`` is released, so a
+prefill that died mid-way cannot pin decode memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.engine_loop import next_output
+from services.rpc import RpcError, Service
+from services.worker import FINISH_REASONS, Worker, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+
+def token_chunk(
+    token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+) -> decode_pb2.TokenChunk:
+    """One streamed message."""
+    reason = FINISH_REASONS[finish_reason] if finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED
+    return decode_pb2.TokenChunk(
+        token_ids=token_ids, finish_reason=reason, num_cached_tokens=num_cached_tokens
+    )
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """``Decode.Reserve``, ``Decode.Decode``, ``Decode.Release``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.reservations: dict[str, float] = {}  # request id -> deadline for its Decode call
+        worker.num_reserved = lambda: len(self.reservations)
+
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:  # noqa: N802
+        """Allocate blocks for the whole request and return the prompt blocks' addresses."""
+        w, rid = self.worker, request.request_id
+        params = sampling_from_proto(request.sampling)
+        if rid in self.reservations:
+            raise ValueError(f"request {rid!r} already holds a reservation")
+        blocks, free = await w.loop.call(
+            lambda e: (e.reserve(rid, request.num_prompt_tokens, params), e.num_free_blocks)
+        )
+        if blocks is None:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
+        self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
+        pool = w.engine.kv_pool
+        prompt_blocks = blocks[: w.num_kv_blocks(request.num_prompt_tokens)]
+        target = common_pb2.KVBlockTarget(
+            transfer_endpoint=w.transfer.endpoint,
+            block_addresses=[pool.block_address(b) for b in prompt_blocks],
+            bytes_per_block=pool.bytes_per_block,
+        )
+        return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
+
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: Any
+    ) -> AsyncIterator[decode_pb2.TokenChunk]:  # noqa: N802
+        """Join the batch with token 0 and stream the following tokens."""
+        w, rid = self.worker, request.request_id
+        if self.reservations.pop(rid, None) is None:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)"
+            )
+        prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+        num_blocks = w.num_kv_blocks(len(prompt))
+        w.counters.blocks_received += num_blocks
+        w.counters.bytes_received += num_blocks * w.engine.kv_pool.bytes_per_block
+        outputs = w.loop.open(rid)
+        finished = False
+        try:
+            first = await w.loop.call(
+                lambda e: e.add_prefilled_request(rid, prompt, request.first_token_id, params)
+            )
+            out = first if first is not None else await next_output(outputs)
+            while True:
+                finished = out.finished
+                if out.new_token_ids or finished:
+                    yield token_chunk(list(out.new_token_ids), out.finish_reason)
+                if finished:
+                    return
+                out = await next_output(outputs)
+        finally:
+            w.loop.close(rid)
+            if not finished:
+                await w.loop.call(lambda e: e.abort(rid))
+
+    async def Release(self, request: decode_pb2.ReleaseRequest, context: Any) -> decode_pb2.ReleaseResponse:  # noqa: N802
+        """Free a reservation that will not be decoded."""
+        rid = request.request_id
+        if self.reservations.pop(rid, None) is None:
+            return decode_pb2.ReleaseResponse(released=False)
+        await self.worker.loop.call(lambda e: e.abort(rid))
+        return decode_pb2.ReleaseResponse(released=True)
+
+    async def expire_reservations(self) -> None:
+        """Release reservations whose KV never came (runs for the worker's lifetime)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for rid in [rid for rid, deadline in self.reservations.items() if deadline < now]:
+                log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
+                del self.reservations[rid]
+                await self.worker.loop.call(lambda e, rid=rid: e.abort(rid))
+
+
+def services(worker: Worker) -> tuple[list[Service], DecodeServicer]:
+    """Everything a decode worker serves (and the servicer, whose expiry task the caller runs)."""
+    servicer = DecodeServicer(worker)
+    decode = Service("kvconductor.v1.Decode", servicer, decode_pb2_grpc.add_DecodeServicer_to_server)
+    return [decode, *worker.services()], servicer

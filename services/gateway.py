@@ -1,0 +1,301 @@
+"""The OpenAI-compatible REST shim: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+It validates the body, renders chat messages with the model's chat template, and calls the
+Conductor's ``Generate`` over gRPC; tokens come back as SSE chunks (``stream``) or one JSON body.
+gRPC status codes become OpenAI-shaped errors: INVALID_ARGUMENT 400, NOT_FOUND 404,
+RESOURCE_EXHAUSTED 429 (SLO rejection, with the Conductor's reason), UNAVAILABLE 503. A client that
+disconnects cancels the gRPC call, and with it the work on the workers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from services.chat_template import ChatTemplate
+from services.config import Config
+from services.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    SamplingFields,
+    error_body,
+)
+
+log = logging.getLogger(__name__)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def _error(status: int, message: str, param: str | None = None, request_id: str = "") -> JSONResponse:
+    headers = {"x-request-id": request_id} if request_id else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _grpc_error(e: grpc.aio.AioRpcError, request_id: str) -> JSONResponse:
+    return _error(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name, request_id=request_id)
+
+
+class Gateway:
+    """The shim's state: config, chat template, Conductor channel."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.model = config.model.name
+        self.template = ChatTemplate(config.model.path)
+        self.keys = [k.encode() for k in config.gateway.api_keys]
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the Conductor, made on first use inside the server's event loop."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.config.cluster.scheduler_endpoint)
+        return self._channel
+
+    @property
+    def conductor(self) -> conductor_pb2_grpc.ConductorStub:
+        """Stub of the Conductor."""
+        return conductor_pb2_grpc.ConductorStub(self.channel)
+
+    def check_key(self, request: Request) -> None:
+        """Bearer-key check, in constant time per configured key."""
+        if not self.keys:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        if not any(hmac.compare_digest(given, key) for key in self.keys):
+            raise OpenAIError(
+                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+            )
+
+    def grpc_request(
+        self, body: SamplingFields, request_id: str, prompt: str | list[int]
+    ) -> conductor_pb2.GenerateRequest:
+        """The Conductor request for a validated body."""
+        if body.model != self.model:
+            raise OpenAIError(404, f"model {body.model!r} does not exist; served: {self.model!r}",
+                              "not_found_error", "model", "model_not_found")  # fmt: skip
+        sampling = common_pb2.SamplingParams(
+            max_tokens=body.limit(),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+        )
+        if body.seed is not None:
+            sampling.seed = body.seed
+        request = conductor_pb2.GenerateRequest(
+            request_id=request_id, sampling=sampling, stop=body.stop_list(), model=body.model
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        return request
+
+
+def create_app(config: Config) -> FastAPI:
+    """The FastAPI application."""
+    gateway = Gateway(config)
+    app = FastAPI(title="kvconductor", description=__doc__)
+    app.state.gateway = gateway
+    if not gateway.keys:
+        log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}")
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Any) -> Response:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.gateway.max_request_bytes:
+            return _error(413, f"request body exceeds {config.gateway.max_request_bytes} bytes")
+        response: Response = await call_next(request)
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            stub = health_pb2_grpc.HealthStub(gateway.channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return _error(503, "the Conductor is unreachable")
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return _error(503, "the Conductor is not serving")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        gateway.check_key(request)
+        card = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "kvconductor"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gateway.check_key(request)
+        prompt = (
+            body.prompt[0]
+            if isinstance(body.prompt, list) and isinstance(body.prompt[0], str)
+            else body.prompt
+        )
+        return await _generate(gateway, body, request, prompt, chat=False)  # type: ignore[arg-type]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        gateway.check_key(request)
+        prompt = gateway.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        return await _generate(gateway, body, request, prompt, chat=True)
+
+    return app
+
+
+async def _generate(
+    gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
+) -> Response:
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        call = gateway.conductor.Generate(gateway.grpc_request(body, request_id, prompt))
+        first = await call.read()
+    except grpc.aio.AioRpcError as e:
+        return _grpc_error(e, request_id)
+    headers = {"x-request-id": request_id}
+    if first is grpc.aio.EOF:
+        return _error(500, "the Conductor ended the stream without a response", request_id=request_id)
+    shaper = _Shaper(gateway.model, request_id, chat)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        stream = _sse(call, first, shaper, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    text, finish, usage = first.text, first.finish_reason, first.usage
+    try:
+        while (message := await call.read()) is not grpc.aio.EOF:
+            text += message.text
+            finish, usage = message.finish_reason, message.usage
+    except grpc.aio.AioRpcError as e:
+        return _grpc_error(e, request_id)
+    return JSONResponse(shaper.whole(text, finish, usage), headers=headers)
+
+
+async def _sse(
+    call: Any, first: conductor_pb2.GenerateResponse, shaper: _Shaper, include_usage: bool
+) -> AsyncIterator[str]:
+    """SSE events for each Conductor message; an error mid-stream becomes an error event."""
+    try:
+        if shaper.chat:
+            yield _event(shaper.chunk({"role": "assistant", "content": ""}, None))
+        message = first
+        while True:
+            finish = FINISH.get(message.finish_reason)
+            if message.text or finish:
+                yield _event(shaper.chunk({"content": message.text}, finish))
+            if finish:
+                if include_usage:
+                    yield _event(shaper.usage_chunk(message.usage))
+                break
+            message = await call.read()
+            if message is grpc.aio.EOF:
+                break
+    except grpc.aio.AioRpcError as e:
+        yield _event(error_body(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name))
+    finally:
+        call.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class _Shaper:
+    """Builds OpenAI response objects for one request."""
+
+    def __init__(self, model: str, request_id: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        obj = f"{kind}.chunk" if chunk and self.chat else kind
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        """One streamed chunk."""
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, usage: conductor_pb2.Usage) -> dict[str, Any]:
+        """The final chunk carrying usage (stream_options.include_usage)."""
+        return {**self._envelope([], chunk=True), "usage": _usage(usage)}
+
+    def whole(self, text: str, finish: int, usage: conductor_pb2.Usage) -> dict[str, Any]:
+        """A non-streamed response."""
+        reason = FINISH.get(finish, "stop")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._envelope([choice], chunk=False), "usage": _usage(usage)}
+
+
+def _usage(usage: conductor_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def run_gateway(config: Config) -> None:
+    """Serve the shim until SIGTERM/SIGINT."""
+    uvicorn.run(
+        create_app(config),
+        host=config.gateway.host,
+        port=config.gateway.port,
+        log_level=config.telemetry.log_level,
+        timeout_graceful_shutdown=5,
+    )

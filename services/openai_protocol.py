@@ -1,0 +1,129 @@
+"""The OpenAI request bodies the REST shim accepts, and OpenAI-shaped errors.
+
+Unknown fields are accepted and ignored (clients and routers add their own, as with vLLM); known
+fields are type- and range-checked, and a failure names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class OpenAIError(Exception):
+    """An error returned as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _check_n(self) -> SamplingFields:
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported; send n separate requests")
+        return self
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def limit(self) -> int:
+        """The token limit (0 = up to the context length)."""
+        return self.max_tokens or 0
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
+        if not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        return self
+
+
+class ContentPart(BaseModel):
+    """A text part of a chat message."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def limit(self) -> int:
+        """``max_completion_tokens`` wins over the older ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens or 0
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI error body for a status code."""
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }
+    return OpenAIError(status, message, kinds.get(status, "internal_error"), param).body

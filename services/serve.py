@@ -1,0 +1,99 @@
+"""``kvconductor serve ROLE``: one process of the cluster (kvmeta, conductor, prefill, decode, colocated, gateway).
+
+Every gRPC role registers in etcd once it serves; the gateway finds the Conductor at
+``[cluster] scheduler_endpoint``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.config import Config
+from services.registry import Registry
+from services.rpc import serve
+
+log = logging.getLogger(__name__)
+ROLES = ("kvmeta", "conductor", "prefill", "decode", "colocated", "gateway")
+
+
+def _registry(config: Config) -> Registry:
+    if not config.cluster.etcd_endpoints:
+        raise ValueError("[cluster] etcd_endpoints is empty: `serve` needs a running etcd (`up` starts one)")
+    return Registry(config.cluster.etcd_endpoints, config.cluster.name, ttl=config.cluster.lease_ttl_s)
+
+
+async def run_kvmeta(config: Config, instance_id: str) -> None:
+    """Serve the global KV index; drop an instance's blocks when its lease goes."""
+    from services import kvmeta
+
+    registry = _registry(config)
+    servicer = kvmeta.KvMetaServicer()
+    loop = asyncio.get_running_loop()
+    registry.watch(lambda event: loop.call_soon_threadsafe(servicer.on_instance_event, event))
+    await serve(
+        kvmeta.services(servicer), config.cluster.host, 0, registry=registry, role="kvmeta",
+        instance_id=instance_id, record=lambda address: {"role": "kvmeta", "address": address},
+    )  # fmt: skip
+
+
+async def run_conductor(config: Config, instance_id: str) -> None:
+    """Serve Generate at ``[cluster] scheduler_endpoint``."""
+    from engine.tokenizer import load_tokenizer
+    from services import conductor
+    from services.cluster_view import ClusterView
+
+    registry = _registry(config)
+    view = ClusterView()
+    view.attach(asyncio.get_running_loop())
+    registry.watch(view.on_event)
+    servicer = conductor.ConductorServicer(config, view, load_tokenizer(config.model.path))
+    host, _, port = config.cluster.scheduler_endpoint.rpartition(":")
+    await serve(
+        conductor.services(servicer), host, int(port), registry=registry, role="conductor",
+        instance_id=instance_id, record=lambda address: {"role": "conductor", "address": address},
+    )  # fmt: skip
+
+
+async def run_worker(config: Config, role: str, instance_id: str) -> None:
+    """Serve a prefill, decode or colocated engine worker."""
+    from services import colocated, decode, prefill
+    from services.worker import build_worker
+
+    registry = _registry(config)
+    worker = build_worker(config, role, instance_id, registry)
+    worker.loop.start()
+    background: list[asyncio.Task[None]] = []
+    if role == "prefill":
+        services = prefill.services(worker)
+    elif role == "decode":
+        services, decoder = decode.services(worker)
+        background.append(asyncio.create_task(decoder.expire_reservations()))
+    else:
+        services = colocated.services(worker)
+
+    async def on_stop() -> None:
+        for task in background:
+            task.cancel()
+        await worker.close()
+
+    await serve(
+        services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
+        record=worker.record, on_stop=on_stop,
+    )  # fmt: skip
+
+
+def run(config: Config, role: str, instance_id: str) -> None:
+    """Run one role until SIGTERM/SIGINT."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (one of: {', '.join(ROLES)})")
+    if role == "gateway":
+        from services.gateway import run_gateway
+
+        run_gateway(config)
+    elif role == "kvmeta":
+        asyncio.run(run_kvmeta(config, instance_id))
+    elif role == "conductor":
+        asyncio.run(run_conductor(config, instance_id))
+    else:
+        asyncio.run(run_worker(config, role, instance_id))

@@ -1,0 +1,57 @@
+"""``kvconductor status``: the instances the Conductor schedules on, their load and cost models."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.config import Config
+
+COLUMNS = (
+    "role",
+    "instance",
+    "address",
+    "free/total blocks",
+    "running",
+    "hit rate",
+    "T_queue ms",
+    "cost model",
+)
+
+
+def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
+    record = json.loads(instance.record_json)
+    try:
+        with grpc.insecure_channel(instance.address) as channel:
+            load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+        blocks = f"{load.num_free_blocks}/{load.num_total_blocks}"
+        queried = load.prefix_cache_query_tokens
+        hit_rate = f"{load.prefix_cache_hit_tokens / queried:.1%}" if queried else "-"
+        running = str(load.num_running)
+    except grpc.RpcError as e:
+        blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-"
+    model = record["cost_model"]
+    costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model["prefill"])
+    costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model["decode"])
+    return (instance.role, instance.instance_id, instance.address, blocks, running, hit_rate,
+            f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
+
+
+def print_status(config: Config) -> int:
+    """Print the table; 1 when the Conductor cannot be reached."""
+    try:
+        with grpc.insecure_channel(config.cluster.scheduler_endpoint) as channel:
+            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
+                conductor_pb2.GetStatusRequest(), timeout=5.0
+            )
+    except grpc.RpcError as e:
+        print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
+        return 1
+    rows = [COLUMNS, *(_row(i) for i in status.instances)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    print(f"model: {status.model}")
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0

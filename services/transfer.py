@@ -1,0 +1,183 @@
+"""KV data plane: moves KV cache blocks between instances over the Mooncake Transfer Engine.
+
+Each instance runs one `KVTransferEngine` in P2P handshake mode (no metadata server) and
+registers its KV pool tensor once. Peers address each other by `endpoint`
+("host:rpcport"). A transfer names local and remote virtual addresses inside the two
+registered regions; both sides must have registered the memory a transfer touches.
+
+Coalescing: a batch is a list of (src, dst) block addresses of one block size. Runs of
+consecutive entries where both the source and the destination advance by exactly the
+run's length so far are merged into one entry before the call, in the caller's order::
+
+    src  A      A+L    A+2L   B          ->   src  A (3L)   B (L)
+    dst  X      X+L    X+2L   X+3L             dst  X (3L)   X+3L (L)
+
+The engine has a fixed cost per entry, so a prefix of contiguous blocks (the common case
+with a freshly allocated block table) moves as one large entry. Results and counters
+still report the caller's blocks, not the merged entries.
+
+The transfer calls block and release the GIL: call them from a worker thread to overlap
+them with compute.
+"""
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mooncake.engine import TransferEngine
+
+_PROTOCOLS = ("tcp", "rdma")
+
+
+class TransferError(RuntimeError):
+    """A transfer returned a nonzero status."""
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What one transfer call moved and how long it took."""
+
+    bytes: int
+    blocks: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def coalesce(
+    src_addrs: Sequence[int], dst_addrs: Sequence[int], length: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Merge consecutive entries contiguous on both sides; return (srcs, dsts, lengths)."""
+    srcs: list[int] = []
+    dsts: list[int] = []
+    lengths: list[int] = []
+    for src, dst in zip(src_addrs, dst_addrs, strict=True):
+        if lengths and srcs[-1] + lengths[-1] == src and dsts[-1] + lengths[-1] == dst:
+            lengths[-1] += length
+        else:
+            srcs.append(src)
+            dsts.append(dst)
+            lengths.append(length)
+    return srcs, dsts, lengths
+
+
+class KVTransferEngine:
+    """One Mooncake Transfer Engine per process, with byte and block counters."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", merge: bool = True
+    ) -> None:
+        if protocol not in _PROTOCOLS:
+            raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
+        self.host = host
+        self.protocol = protocol
+        self.merge = merge
+        self._engine = TransferEngine()
+        status = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if status != 0:
+            raise RuntimeError(
+                f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}, "
+                f"{device_name!r}) returned {status}"
+            )
+        self._lock = threading.Lock()
+        self._bytes_written = 0
+        self._bytes_read = 0
+        self._blocks_written = 0
+        self._blocks_read = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The address peers use for this engine, "host:rpcport"."""
+        return f"{self.host}:{self._engine.get_rpc_port()}"
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register [ptr, ptr + nbytes) for transfers (the KV pool tensor's storage)."""
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        status = self._engine.register_memory(ptr, nbytes)
+        if status != 0:
+            raise RuntimeError(f"register_memory({ptr:#x}, {nbytes}) returned {status}")
+
+    def unregister(self, ptr: int) -> None:
+        """Unregister a region registered with `register`."""
+        status = self._engine.unregister_memory(ptr)
+        if status != 0:
+            raise RuntimeError(f"unregister_memory({ptr:#x}) returned {status}")
+
+    def write_blocks(
+        self, peer_endpoint: str, src_addrs: Sequence[int], dst_addrs: Sequence[int], length: int
+    ) -> TransferResult:
+        """Write local blocks at `src_addrs` to the peer's `dst_addrs`, `length` bytes each."""
+        result = self._transfer("write", peer_endpoint, src_addrs, dst_addrs, length)
+        with self._lock:
+            self._bytes_written += result.bytes
+            self._blocks_written += result.blocks
+        return result
+
+    def read_blocks(
+        self, peer_endpoint: str, local_addrs: Sequence[int], remote_addrs: Sequence[int], length: int
+    ) -> TransferResult:
+        """Read the peer's blocks at `remote_addrs` into local `local_addrs`, `length` bytes each."""
+        result = self._transfer("read", peer_endpoint, local_addrs, remote_addrs, length)
+        with self._lock:
+            self._bytes_read += result.bytes
+            self._blocks_read += result.blocks
+        return result
+
+    def probe(self, peer_endpoint: str, local_addr: int, remote_addr: int, nbytes: int) -> float:
+        """Time one write of `nbytes` to the peer; return seconds (not counted in counters)."""
+        return self._transfer("write", peer_endpoint, [local_addr], [remote_addr], nbytes).seconds
+
+    def _transfer(
+        self, op: str, peer: str, local: Sequence[int], remote: Sequence[int], length: int
+    ) -> TransferResult:
+        if len(local) != len(remote):
+            raise ValueError(f"{len(local)} local addresses but {len(remote)} remote addresses")
+        if length <= 0:
+            raise ValueError(f"block length must be positive, got {length}")
+        if not local:
+            return TransferResult(0, 0, 0.0)
+        if self.merge:
+            srcs, dsts, lengths = coalesce(local, remote, length)
+        else:
+            srcs, dsts, lengths = list(local), list(remote), [length] * len(local)
+        call = (
+            self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
+        )
+        start = time.perf_counter()
+        status = call(peer, srcs, dsts, lengths)
+        seconds = time.perf_counter() - start
+        if status != 0:
+            raise TransferError(
+                f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} "
+                f"returned {status}"
+            )
+        return TransferResult(len(local) * length, len(local), seconds)
+
+    @property
+    def bytes_written(self) -> int:
+        """Total bytes written to peers by `write_blocks`."""
+        with self._lock:
+            return self._bytes_written
+
+    @property
+    def bytes_read(self) -> int:
+        """Total bytes read from peers by `read_blocks`."""
+        with self._lock:
+            return self._bytes_read
+
+    @property
+    def blocks_written(self) -> int:
+        """Total blocks written to peers by `write_blocks`."""
+        with self._lock:
+            return self._blocks_written
+
+    @property
+    def blocks_read(self) -> int:
+        """Total blocks read from peers by `read_blocks`."""
+        with self._lock:
+            return self._blocks_read

@@ -1,0 +1,38 @@
+"""Shared fixtures: the default model made once per session, and whole clusters launched with `kvconductor up`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import LocalCluster, launch_cluster, stop_cluster
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model (what `make run` generates), made once."""
+    import torch
+
+    from engine.checkpoint import make_model
+
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
+    """Two prefill, one decode and one colocated worker behind the Conductor and the gateway."""
+    run_dir = tmp_path_factory.mktemp("cluster") / "run"
+    c = launch_cluster(
+        run_dir, model_dir, "prefill.node_count=2", "decode.node_count=1", "colocated.node_count=1"
+    )
+    try:
+        yield c
+    finally:
+        stop_cluster(c.process)

@@ -1,0 +1,62 @@
+"""Shared helpers for the engine tests (imported explicitly, not a pytest conftest)."""
+
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import make_model
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+}
+
+
+def make_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    torch.set_num_threads(1)
+    return make_model(out_dir, seed=seed, **TINY_SHAPE)
+
+
+def random_prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def copy_blocks(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: list[int]) -> None:
+    """Simulate the KV transfer: copy each block's bytes into the reserved block of the other engine."""
+    src_bytes = src.kv_pool.data.view(src.kv_pool.num_blocks, -1).view(torch.uint8)
+    dst_bytes = dst.kv_pool.data.view(dst.kv_pool.num_blocks, -1).view(torch.uint8)
+    assert src_bytes.shape[1] == src.kv_pool.bytes_per_block
+    for s, d in zip(src_blocks, dst_blocks, strict=False):
+        dst_bytes[d].copy_(src_bytes[s])
+
+
+def prefill_then_decode(
+    prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[int]:
+    """Run a request split across two engines, as a prefill and a decode worker would."""
+    prefill.add_request(request_id, prompt, params, prefill_only=True)
+    outputs = [o for o in prefill.step() if o.request_id == request_id]
+    while not outputs:
+        outputs = [o for o in prefill.step() if o.request_id == request_id]
+    first = outputs[0]
+    assert first.finished and first.block_ids
+    reserved = decode.reserve(request_id, len(prompt), params)
+    assert reserved is not None
+    copy_blocks(prefill, first.block_ids, decode, reserved)
+    prefill.release(request_id)
+    tokens = list(first.new_token_ids)
+    done = decode.add_prefilled_request(request_id, prompt, tokens[0], params)
+    finished = done is not None
+    while not finished:
+        for out in decode.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                finished = out.finished
+    return tokens

@@ -1,0 +1,172 @@
+"""End to end: a real cluster from `kvconductor up` (etcd, kvmeta, Conductor, workers, gateway)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import grpc
+import helpers
+import httpx
+import openai
+import pytest
+
+from engine.tokenizer import load_tokenizer
+from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+PROMPT_LENGTHS = (1, 5, 15, 16, 17, 40, 64, 130, 257, 480)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    """Greedy tokens of the same engine run in this process, no cluster."""
+    from engine.llm_engine import LLMEngine, generate
+    from engine.sampling import SamplingParams
+
+    engine = LLMEngine(model_dir, num_blocks=256)
+    params = SamplingParams(max_tokens=helpers.MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [generate(engine, p, params) for p in prompts]
+
+
+def test_streaming_chat_completion_with_the_openai_client(cluster):
+    client = openai.OpenAI(base_url=cluster.rest, api_key="unused")
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens > 3
+
+
+def test_disaggregated_output_equals_in_process_and_colocated(cluster, prompts, reference):
+    before = helpers.worker_loads(cluster)
+    for prompt, expected in zip(prompts, reference, strict=True):
+        disaggregated, decision, _ = helpers.grpc_generate(
+            cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED
+        )
+        assert decision.prefill_instance.startswith("prefill-")
+        assert decision.decode_instance == "decode-0"
+        colocated, decision, _ = helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_COLOCATED)
+        assert decision.prefill_instance == "colocated-0"
+        assert disaggregated == expected, f"prompt of {len(prompt)} tokens"
+        assert colocated == expected, f"prompt of {len(prompt)} tokens"
+    after = helpers.worker_loads(cluster)
+    # Every prompt block, the last partial one included, crossed the transfer engine exactly once.
+    bytes_per_block = helpers.bytes_per_block(cluster)
+    blocks = sum(math.ceil(len(p) / 16) for p in prompts)
+    sent = sum(after[i].kv_bytes_sent - before[i].kv_bytes_sent for i in ("prefill-0", "prefill-1"))
+    blocks_sent = sum(after[i].kv_blocks_sent - before[i].kv_blocks_sent for i in ("prefill-0", "prefill-1"))
+    received = after["decode-0"].kv_bytes_received - before["decode-0"].kv_bytes_received
+    assert blocks_sent == blocks
+    assert sent == received == blocks * bytes_per_block
+
+
+def test_shared_prefix_is_reused_and_routed_to_its_holder(cluster):
+    rng = random.Random(11)
+    prefix = [rng.randrange(256) for _ in range(320)]
+    _, first, usage = helpers.grpc_generate(
+        cluster, prefix + [1, 2, 3], conductor_pb2.DEPLOYMENT_DISAGGREGATED
+    )
+    assert usage.cached_tokens == 0
+    for suffix in ([4, 5, 6, 7], [8, 9]):
+        _, decision, usage = helpers.grpc_generate(
+            cluster, prefix + suffix, conductor_pb2.DEPLOYMENT_DISAGGREGATED
+        )
+        assert decision.prefill_instance == first.prefill_instance
+        assert usage.cached_tokens == 320
+        assert decision.prefix_len == 320
+    # Through REST the reuse shows in usage.prompt_tokens_details.cached_tokens.
+    client = openai.OpenAI(base_url=cluster.rest, api_key="unused")
+    reply = client.completions.create(model="tiny-llama", prompt=prefix + [9, 9], max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 320
+
+
+def test_rest_text_matches_the_tokens(cluster, model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    prompt = "The quick brown fox"
+    tokens, _, _ = helpers.grpc_generate(cluster, tokenizer.encode(prompt, add_special_tokens=False).ids,
+                                 conductor_pb2.DEPLOYMENT_DISAGGREGATED)  # fmt: skip
+    client = openai.OpenAI(base_url=cluster.rest, api_key="unused")
+    reply = client.completions.create(
+        model="tiny-llama",
+        prompt=prompt,
+        max_tokens=helpers.MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert reply.usage.completion_tokens == helpers.MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "tiny-llama", "messages": []}, 400, "messages"),
+        (
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+            400,
+            "max_tokens",
+        ),
+        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, None),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, None),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors(cluster, body, status, param):
+    response = httpx.post(f"{cluster.rest}/chat/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param:
+        assert param in (error["param"] or "") or param in error["message"]
+
+
+def test_malformed_json_is_a_400(cluster):
+    response = httpx.post(f"{cluster.rest}/completions", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 400
+    assert "error" in response.json()
+
+
+def test_openai_client_sees_typed_errors(cluster):
+    client = openai.OpenAI(base_url=cluster.rest, api_key="unused")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=100000)
+
+
+def test_grpc_errors_have_status_codes(cluster):
+    with grpc.insecure_channel(cluster.conductor) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        with pytest.raises(grpc.RpcError) as empty:
+            list(stub.Generate(conductor_pb2.GenerateRequest(), timeout=30))
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as vocab:
+            list(
+                stub.Generate(
+                    conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=[10**6])), timeout=30
+                )
+            )
+        assert vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "vocabulary" in vocab.value.details()

@@ -84,7 +84,5 @@ def paged_attention(
     values = context[:, :, 1].transpose(1, 2)
     q_pad = q.new_zeros(num_seqs, batch.mask.shape[2], q.shape[1], q.shape[2])
     q_pad[batch.seq_idx, batch.query_idx] = q
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=batch.mask, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=batch.mask, enable_gqa=True)
     return out.transpose(1, 2)[batch.seq_idx, batch.query_idx].flatten(1)

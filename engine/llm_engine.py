@@ -96,9 +96,7 @@ class LLMEngine:
         logits = self.runner.run(batch)
         rows = batch.sample_rows()
         requests = [batch.requests[row] for row in rows]
-        tokens = sample(
-            logits[rows], [r.params for r in requests], [len(r.output_token_ids) for r in requests]
-        )
+        tokens = sample(logits[rows], [r.params for r in requests], [len(r.output_token_ids) for r in requests])
         return self.scheduler.update(batch, dict(zip(rows, tokens, strict=True)))
 
     def stats(self) -> EngineStats:

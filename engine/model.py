@@ -34,9 +34,7 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Return cos/sin tables ``[max_model_len, head_dim]`` (rotate-half layout)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if config.rope_scaling is not None:
         inv_freq = _llama3_inv_freq(inv_freq, config.rope_scaling)
     freqs = torch.outer(torch.arange(config.max_model_len, dtype=torch.float32, device="cpu"), inv_freq)
@@ -145,9 +143,7 @@ class CausalLM(nn.Module):
         self.rope_cos, self.rope_sin = rope_cos_sin(config)  # on the CPU even when built on "meta"
 
     @classmethod
-    def from_state_dict(
-        cls, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype
-    ) -> "CausalLM":
+    def from_state_dict(cls, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> "CausalLM":
         """Build the model around checkpoint tensors (strict: missing or unexpected keys raise)."""
         state = {k: v.to(dtype) for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:

@@ -53,8 +53,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     """Pick one token per row of ``logits`` [B, V]; row ``b`` is output index ``output_indices[b]``."""
     greedy = logits.argmax(dim=-1).tolist()
     return [
-        greedy[b] if p.temperature == 0 else _sample_row(logits[b], p, output_indices[b])
-        for b, p in enumerate(params)
+        greedy[b] if p.temperature == 0 else _sample_row(logits[b], p, output_indices[b]) for b, p in enumerate(params)
     ]
 
 

@@ -63,16 +63,10 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {num_prompt_tokens} tokens leaves no room in max_model_len {self.max_model_len}"
             )
-        total = (
-            num_prompt_tokens
-            if prefill_only
-            else min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        )
+        total = num_prompt_tokens if prefill_only else min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         needed = -(-total // self.block_manager.block_size)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks but the pool has {self.block_manager.num_blocks}"
-            )
+            raise ValueError(f"request needs {needed} KV blocks but the pool has {self.block_manager.num_blocks}")
         return needed
 
     def add(self, request: Request) -> None:
@@ -169,9 +163,7 @@ class Scheduler:
         """Register the request's newly completed full blocks in the prefix cache."""
         manager = self.block_manager
         hashes = request.full_block_hashes(manager.block_size, request.num_computed_tokens)
-        manager.commit_full_blocks(
-            request.block_table, hashes, request.token_ids, request.num_committed_blocks
-        )
+        manager.commit_full_blocks(request.block_table, hashes, request.token_ids, request.num_committed_blocks)
         request.num_committed_blocks = len(hashes)
 
     def _append_token(self, request: Request, token_id: int) -> StepOutput:
@@ -187,9 +179,7 @@ class Scheduler:
                 block_ids = list(request.block_table)
             else:
                 self.block_manager.free(request.block_table)
-        return StepOutput(
-            request.request_id, [token_id], finished, reason, request.num_cached_tokens, block_ids
-        )
+        return StepOutput(request.request_id, [token_id], finished, reason, request.num_cached_tokens, block_ids)
 
     def _finish_reason(self, request: Request) -> str | None:
         """Return "stop", "length" or None for a request whose last output token was just added."""

@@ -97,9 +97,7 @@ class Rejection:
     plan: Plan | None = None
 
 
-def estimate_prefill(
-    candidate: PrefillCandidate, request: RequestShape, send: TransferModel | None
-) -> PrefillEstimate:
+def estimate_prefill(candidate: PrefillCandidate, request: RequestShape, send: TransferModel | None) -> PrefillEstimate:
     """T_queue, T_prefill and T_send of running the request on one prefill candidate."""
     prefix_len = min(candidate.prefix_len, request.num_prompt_tokens - 1)
     t_prefill = candidate.model.predict(request.num_prompt_tokens - prefix_len, prefix_len)
@@ -141,7 +139,5 @@ def schedule(
             f"predicted TTFT {chosen.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms", plan
         )
     if slo.reject and plan.tbt > slo.max_tbt:
-        return Rejection(
-            f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms", plan
-        )
+        return Rejection(f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms", plan)
     return plan

@@ -45,9 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="instances, their load and their fitted cost models")
     _add_config_args(status)
 
-    make = sub.add_parser(
-        "make-model", help="write the small random-weight default model (Hugging Face layout)"
-    )
+    make = sub.add_parser("make-model", help="write the small random-weight default model (Hugging Face layout)")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     return parser

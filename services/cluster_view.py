@@ -79,11 +79,11 @@ class InstanceView:
         return max(0.0, total - (now - oldest))
 
     def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
-        """This instance as a prefill candidate."""
+        """The instance as a prefill candidate."""
         return PrefillCandidate(self.instance_id, prefix_len, self.t_queue(now), self.prefill_model)
 
     def decode_candidate(self) -> DecodeCandidate:
-        """This instance as a decode candidate."""
+        """The instance as a decode candidate."""
         used = sum(a.num_blocks for a in self.decoding.values())
         return DecodeCandidate(
             self.instance_id,

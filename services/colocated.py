@@ -37,9 +37,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
                 out = await next_output(outputs)
                 finished = out.finished
                 if out.new_token_ids or finished:
-                    yield token_chunk(
-                        list(out.new_token_ids), out.finish_reason, out.num_cached_tokens if first else 0
-                    )
+                    yield token_chunk(list(out.new_token_ids), out.finish_reason, out.num_cached_tokens if first else 0)
                 if first:  # the prompt's blocks are cached now: let the Conductor see them
                     await w.publish_kv_events()
                     first = False

@@ -78,10 +78,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     ) -> AsyncIterator[conductor_pb2.GenerateResponse]:
         """Schedule, run and stream one request."""
         job = self._admit(request)
-        if self._use_disaggregated(request.deployment):
-            pieces = self._disaggregated(job)
-        else:
-            pieces = self._colocated(job)
+        disaggregated = self._use_disaggregated(request.deployment)
+        pieces = self._disaggregated(job) if disaggregated else self._colocated(job)
         async for response in self._relay(job, pieces):
             yield response
 
@@ -112,9 +110,29 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         max_len = self.view.max_model_len()
         if max_len == 0:
             raise RpcError(UNAVAILABLE, "no healthy workers")
+        prompt = self._prompt_ids(request)
+        if len(prompt) >= max_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {max_len}")
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if sampling.max_tokens == 0:
+            sampling.max_tokens = max_len - len(prompt)
+        elif len(prompt) + sampling.max_tokens > max_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the context length {max_len}"
+            )
+        if not sampling.HasField("seed"):
+            # One seed for the whole request, so the prefill and decode workers sample as one engine would.
+            sampling.seed = random.getrandbits(63)
+        rid = request.request_id or uuid.uuid4().hex
+        hashes = prefix_block_hashes(prompt, self.view.block_size())
+        return Job(rid, prompt, sampling, list(request.stop), hashes)
+
+    def _prompt_ids(self, request: conductor_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which == "text":
-            prompt = self.tokenizer.encode(request.text, add_special_tokens=False).ids
+            prompt: list[int] = self.tokenizer.encode(request.text, add_special_tokens=False).ids
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
@@ -124,22 +142,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         vocab = min(int(v.record["vocab_size"]) for v in self.view.instances.values())
         if max(prompt) >= vocab:
             raise ValueError(f"token id {max(prompt)} is outside the vocabulary (size {vocab})")
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        if len(prompt) >= max_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {max_len}")
-        if sampling.max_tokens == 0:
-            sampling.max_tokens = max_len - len(prompt)
-        elif len(prompt) + sampling.max_tokens > max_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the context length {max_len}"
-            )
-        if not sampling.HasField("seed"):
-            # One seed for the whole request, so the prefill and decode workers sample as one engine would.
-            sampling.seed = random.getrandbits(63)
-        rid = request.request_id or uuid.uuid4().hex
-        hashes = prefix_block_hashes(prompt, self.view.block_size())
-        return Job(rid, prompt, sampling, list(request.stop), hashes)
+        return prompt
 
     def _use_disaggregated(self, deployment: int) -> bool:
         has_pd = bool(self.view.pool("prefill")) and bool(self.view.pool("decode"))
@@ -179,8 +182,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         shape = RequestShape(
             num_prompt_tokens=len(job.prompt),
             num_blocks=request_blocks(len(job.prompt), job.sampling.max_tokens, int(record["block_size"])),
-            kv_bytes=-(-len(job.prompt) // int(record["block_size"]))
-            * int(record["kv_layout"]["bytes_per_block"]),
+            kv_bytes=-(-len(job.prompt) // int(record["block_size"])) * int(record["kv_layout"]["bytes_per_block"]),
         )
         pool_cfg = self.config.prefill if decodes is not prefills else self.config.colocated
         decode_cfg = self.config.decode if decodes is not prefills else self.config.colocated

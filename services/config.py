@@ -53,13 +53,9 @@ class ClusterConfig:
         for endpoint in self.etcd_endpoints:
             _check(_is_host_port(endpoint), "[cluster] etcd_endpoints", f"{endpoint!r} is not host:port")
         _check(0 <= self.etcd_port <= 65535, "[cluster] etcd_port", "must be in 0..65535")
-        _check(
-            2 <= self.lease_ttl_s <= 300, "[cluster] lease_ttl_s", "must be in 2..300 (etcd's minimum is 2)"
-        )
+        _check(2 <= self.lease_ttl_s <= 300, "[cluster] lease_ttl_s", "must be in 2..300 (etcd's minimum is 2)")
         _check(self.kv_transfer_engine == "mooncake", "[cluster] kv_transfer_engine", 'must be "mooncake"')
-        _check(
-            self.transfer_backend in ("tcp", "rdma"), "[cluster] transfer_backend", 'must be "tcp" or "rdma"'
-        )
+        _check(self.transfer_backend in ("tcp", "rdma"), "[cluster] transfer_backend", 'must be "tcp" or "rdma"')
         _check(self.transfer_bandwidth_gbps > 0, "[cluster] transfer_bandwidth_gbps", "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "[cluster] kv_transfer_timeout_s", "must be > 0")
 
@@ -112,9 +108,7 @@ class WorkerConfig:
         _check(self.max_ttft_ms > 0, key + "max_ttft_ms", "must be > 0")
         _check(self.max_tbt_ms > 0, key + "max_tbt_ms", "must be > 0")
         _check(self.max_concurrent_requests >= 1, key + "max_concurrent_requests", "must be >= 1")
-        _check(
-            self.kv_cache_dtype == "auto", key + "kv_cache_dtype", '"auto" is the only supported value yet'
-        )
+        _check(self.kv_cache_dtype == "auto", key + "kv_cache_dtype", '"auto" is the only supported value yet')
         _check(0 <= self.min_mfu <= 1, key + "min_mfu", "must be in [0, 1]")
         _check(1 <= self.torch_threads <= 64, key + "torch_threads", "must be in 1..64")
 
@@ -239,9 +233,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     for override in overrides:
         key, sep, raw = override.partition("=")
         section, dot, name = key.strip().partition(".")
-        _check(
-            bool(sep and dot and section and name), f"--set {override!r}", "must look like section.key=value"
-        )
+        _check(bool(sep and dot and section and name), f"--set {override!r}", "must look like section.key=value")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
@@ -277,9 +269,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     if hint is bool:
         _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
     elif hint is int:
-        _check(
-            isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}"
-        )
+        _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
     elif hint is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         _check(ok, name, f"must be a number, got {value!r}")

@@ -15,6 +15,7 @@ prefill that died mid-way cannot pin decode memory.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from engine.llm_engine import LLMEngine
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine_loop import next_output
 from services.rpc import RpcError, Service
@@ -30,14 +32,10 @@ from services.worker import FINISH_REASONS, Worker, sampling_from_proto
 log = logging.getLogger(__name__)
 
 
-def token_chunk(
-    token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
-) -> decode_pb2.TokenChunk:
+def token_chunk(token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0) -> decode_pb2.TokenChunk:
     """One streamed message."""
     reason = FINISH_REASONS[finish_reason] if finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED
-    return decode_pb2.TokenChunk(
-        token_ids=token_ids, finish_reason=reason, num_cached_tokens=num_cached_tokens
-    )
+    return decode_pb2.TokenChunk(token_ids=token_ids, finish_reason=reason, num_cached_tokens=num_cached_tokens)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -69,15 +67,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
 
-    async def Decode(
-        self, request: decode_pb2.DecodeRequest, context: Any
-    ) -> AsyncIterator[decode_pb2.TokenChunk]:  # noqa: N802
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.TokenChunk]:  # noqa: N802
         """Join the batch with token 0 and stream the following tokens."""
         w, rid = self.worker, request.request_id
         if self.reservations.pop(rid, None) is None:
-            raise RpcError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)"
-            )
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)")
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
         num_blocks = w.num_kv_blocks(len(prompt))
         w.counters.blocks_received += num_blocks
@@ -85,9 +79,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         outputs = w.loop.open(rid)
         finished = False
         try:
-            first = await w.loop.call(
-                lambda e: e.add_prefilled_request(rid, prompt, request.first_token_id, params)
-            )
+            first = await w.loop.call(lambda e: e.add_prefilled_request(rid, prompt, request.first_token_id, params))
             out = first if first is not None else await next_output(outputs)
             while True:
                 finished = out.finished
@@ -117,7 +109,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             for rid in [rid for rid, deadline in self.reservations.items() if deadline < now]:
                 log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
                 del self.reservations[rid]
-                await self.worker.loop.call(lambda e, rid=rid: e.abort(rid))
+                await self.worker.loop.call(functools.partial(LLMEngine.abort, request_id=rid))
 
 
 def services(worker: Worker) -> tuple[list[Service], DecodeServicer]:

@@ -9,6 +9,7 @@ on the command queue otherwise, so an idle worker burns no CPU.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -102,13 +103,13 @@ class EngineLoop:
     def _dispatch(self, outputs: list[StepOutput] | Exception) -> None:
         if isinstance(outputs, Exception):
             for request_id, q in list(self._outputs.items()):
-                self._commands.put(lambda rid=request_id: self.engine.abort(rid))
+                self._commands.put(functools.partial(self.engine.abort, request_id))
                 q.put_nowait(outputs)
             return
         for out in outputs:
-            q = self._outputs.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            target = self._outputs.get(out.request_id)
+            if target is not None:
+                target.put_nowait(out)
 
 
 async def next_output(q: asyncio.Queue[StepOutput | Exception]) -> StepOutput:

@@ -97,9 +97,7 @@ class EmbeddedEtcd:
             f"--initial-cluster=kvconductor={peer_url}",
         ]
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait_healthy()
         except BaseException:

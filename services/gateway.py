@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -84,9 +84,7 @@ class Gateway:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
         if not any(hmac.compare_digest(given, key) for key in self.keys):
-            raise OpenAIError(
-                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
-            )
+            raise OpenAIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
     def grpc_request(
         self, body: SamplingFields, request_id: str, prompt: str | list[int]
@@ -115,70 +113,92 @@ class Gateway:
         return request
 
 
+router = APIRouter()
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+
+async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, OpenAIError):
+        return await _unexpected(request, exc)
+    return JSONResponse(exc.body, status_code=exc.status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}")
+
+
+async def _limit_body(request: Request, call_next: Any) -> Response:
+    limit = _gateway(request).config.gateway.max_request_bytes
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        return _error(413, f"request body exceeds {limit} bytes")
+    response: Response = await call_next(request)
+    return response
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 when the Conductor answers its health check."""
+    try:
+        stub = health_pb2_grpc.HealthStub(_gateway(request).channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+    except grpc.aio.AioRpcError:
+        return _error(503, "the Conductor is unreachable")
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return _error(503, "the Conductor is not serving")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    """The served model."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    card = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "kvconductor"}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """Text completion."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+    return await _generate(gateway, body, request, prompt, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """Chat completion, prompted through the model's chat template."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    prompt = gateway.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    return await _generate(gateway, body, request, prompt, chat=True)
+
+
 def create_app(config: Config) -> FastAPI:
     """The FastAPI application."""
-    gateway = Gateway(config)
     app = FastAPI(title="kvconductor", description=__doc__)
-    app.state.gateway = gateway
-    if not gateway.keys:
+    app.state.gateway = Gateway(config)
+    if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error(500, f"internal error: {type(exc).__name__}")
-
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > config.gateway.max_request_bytes:
-            return _error(413, f"request body exceeds {config.gateway.max_request_bytes} bytes")
-        response: Response = await call_next(request)
-        return response
-
-    @app.get("/health")
-    async def health() -> Response:
-        try:
-            stub = health_pb2_grpc.HealthStub(gateway.channel)
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.aio.AioRpcError:
-            return _error(503, "the Conductor is unreachable")
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return _error(503, "the Conductor is not serving")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        gateway.check_key(request)
-        card = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "kvconductor"}
-        return JSONResponse({"object": "list", "data": [card]})
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        gateway.check_key(request)
-        prompt = (
-            body.prompt[0]
-            if isinstance(body.prompt, list) and isinstance(body.prompt[0], str)
-            else body.prompt
-        )
-        return await _generate(gateway, body, request, prompt, chat=False)  # type: ignore[arg-type]
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        gateway.check_key(request)
-        prompt = gateway.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _generate(gateway, body, request, prompt, chat=True)
-
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.middleware("http")(_limit_body)
+    app.include_router(router)
     return app
 
 

@@ -33,9 +33,7 @@ class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
             full=request.full_inventory,
         )
         if resync:
-            log.info(
-                "event gap from %s at seq %d: asking for its inventory", request.instance_id, request.seq
-            )
+            log.info("event gap from %s at seq %d: asking for its inventory", request.instance_id, request.seq)
         return kvmeta_pb2.PublishEventsResponse(resync_required=resync)
 
     async def MatchPrefix(  # noqa: N802
@@ -44,9 +42,7 @@ class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
         """Prefix match of a prompt's blocks on every instance."""
         match = self.index.match_prefix(list(request.block_hashes), request.instance_ids)
         return kvmeta_pb2.MatchPrefixResponse(
-            matches=[
-                kvmeta_pb2.PrefixMatch(instance_id=i, prefix_blocks=n) for i, n in match.prefix_blocks.items()
-            ],
+            matches=[kvmeta_pb2.PrefixMatch(instance_id=i, prefix_blocks=n) for i, n in match.prefix_blocks.items()],
             best_blocks=match.best_blocks,
             best_instance_id=match.best_instance,
         )

@@ -44,9 +44,7 @@ class Child:
 class Cluster:
     """The processes of a local cluster."""
 
-    def __init__(
-        self, config_path: str | None, overrides: Sequence[str] = (), run_dir: str | None = None
-    ) -> None:
+    def __init__(self, config_path: str | None, overrides: Sequence[str] = (), run_dir: str | None = None) -> None:
         self.config_path = config_path
         self.overrides = list(overrides)
         self.config: Config = load_config(config_path, self.overrides)
@@ -92,9 +90,7 @@ class Cluster:
         if (model / "config.json").exists():
             return
         if not self.config.model.create_if_missing:
-            raise ValueError(
-                f"[model] path: {model} has no config.json (set create_if_missing = true to generate one)"
-            )
+            raise ValueError(f"[model] path: {model} has no config.json (set create_if_missing = true to generate one)")
         from engine.checkpoint import make_model
 
         print(f"generating the default model at {model} ...", flush=True)
@@ -121,9 +117,7 @@ class Cluster:
     def _plan(self) -> list[tuple[str, str]]:
         c = self.config
         plan = [("kvmeta", "kvmeta-0"), ("conductor", "conductor-0")]
-        plan += [
-            ("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if c.decode.node_count else 0)
-        ]
+        plan += [("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if c.decode.node_count else 0)]
         plan += [("decode", f"decode-{i}") for i in range(c.decode.node_count if c.prefill.node_count else 0)]
         plan += [("colocated", f"colocated-{i}") for i in range(c.colocated.node_count)]
         return [*plan, ("gateway", "gateway-0")]
@@ -135,16 +129,10 @@ class Cluster:
             args += ["--config", self.config_path]
         for override in self.overrides:
             args += ["--set", override]
-        threads = (
-            str(getattr(self.config, role).torch_threads)
-            if role in ("prefill", "decode", "colocated")
-            else "1"
-        )
+        threads = str(getattr(self.config, role).torch_threads) if role in ("prefill", "decode", "colocated") else "1"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.children.append(Child(role, instance_id, process, log_path))
 
     def _wait_ready(self) -> None:
@@ -169,9 +157,7 @@ class Cluster:
         for child in self.children:
             if child.process.poll() is not None:
                 tail = child.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(
-                    f"{child.instance_id} exited with {child.process.returncode}; log tail:\n{tail}"
-                )
+                raise RuntimeError(f"{child.instance_id} exited with {child.process.returncode}; log tail:\n{tail}")
 
     def dead_children(self) -> list[Child]:
         """Processes that have exited."""

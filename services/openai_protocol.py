@@ -14,9 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class OpenAIError(Exception):
     """An error returned as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
 
-    def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-    ):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -73,9 +71,9 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
+        batched = isinstance(self.prompt, list) and len(self.prompt) > 1 and isinstance(self.prompt[0], str)
+        if batched:
+            raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
         if not self.prompt:
             raise ValueError("prompt: must not be empty")
         return self

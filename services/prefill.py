@@ -42,7 +42,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         if destination.bytes_per_block != bytes_per_block:
             raise ValueError(
-                f"KV layout mismatch: destination blocks are {destination.bytes_per_block} bytes, ours {bytes_per_block}"
+                f"KV layout mismatch: destination blocks are {destination.bytes_per_block} bytes, "
+                f"ours {bytes_per_block}"
             )
         start = time.perf_counter()
         outputs = w.loop.open(rid)
@@ -81,7 +82,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
 def services(worker: Worker) -> list[Service]:
     """Everything a prefill worker serves."""
-    prefill = Service(
-        "kvconductor.v1.Prefill", PrefillServicer(worker), prefill_pb2_grpc.add_PrefillServicer_to_server
-    )
+    prefill = Service("kvconductor.v1.Prefill", PrefillServicer(worker), prefill_pb2_grpc.add_PrefillServicer_to_server)
     return [prefill, *worker.services()]

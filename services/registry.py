@@ -63,9 +63,7 @@ def _backoff(failures: int, cap: float) -> float:
     return cap if failures == 0 else float(min(cap, 0.1 * 2**failures))
 
 
-def _decode(
-    prefix: str, kvs: Sequence[Any], roles: Collection[str] | None = None
-) -> dict[InstanceKey, Record]:
+def _decode(prefix: str, kvs: Sequence[Any], roles: Collection[str] | None = None) -> dict[InstanceKey, Record]:
     """Map the registry keys among `kvs` to their records, skipping foreign and non-JSON keys."""
     records: dict[InstanceKey, Record] = {}
     for kv in kvs:
@@ -140,9 +138,7 @@ class RegistryWatch:
         listing = client.get_prefix_response(self._prefix)
         self._resync(listing.kvs)
         responses: queue.Queue[Any] = queue.Queue()
-        client.add_watch_prefix_callback(
-            self._prefix, responses.put, start_revision=listing.header.revision + 1
-        )
+        client.add_watch_prefix_callback(self._prefix, responses.put, start_revision=listing.header.revision + 1)
         while not self._stop.is_set():
             try:
                 response = responses.get(timeout=0.2)
@@ -252,9 +248,7 @@ class Registry:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def watch(
-        self, callback: Callable[[InstanceEvent], None], roles: Collection[str] | None = None
-    ) -> RegistryWatch:
+    def watch(self, callback: Callable[[InstanceEvent], None], roles: Collection[str] | None = None) -> RegistryWatch:
         """Call `callback` for every present instance, then for every change, from a thread.
 
         `roles` restricts the events to those roles. Stop with the returned handle's stop().

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from services.config import Config
-from services.registry import Registry
+from services.registry import InstanceEvent, Registry
 from services.rpc import serve
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,11 @@ async def run_kvmeta(config: Config, instance_id: str) -> None:
     registry = _registry(config)
     servicer = kvmeta.KvMetaServicer()
     loop = asyncio.get_running_loop()
-    registry.watch(lambda event: loop.call_soon_threadsafe(servicer.on_instance_event, event))
+
+    def on_event(event: InstanceEvent) -> None:
+        loop.call_soon_threadsafe(servicer.on_instance_event, event)
+
+    registry.watch(on_event)
     await serve(
         kvmeta.services(servicer), config.cluster.host, 0, registry=registry, role="kvmeta",
         instance_id=instance_id, record=lambda address: {"role": "kvmeta", "address": address},

@@ -43,9 +43,7 @@ def print_status(config: Config) -> int:
     """Print the table; 1 when the Conductor cannot be reached."""
     try:
         with grpc.insecure_channel(config.cluster.scheduler_endpoint) as channel:
-            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
-                conductor_pb2.GetStatusRequest(), timeout=5.0
-            )
+            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=5.0)
     except grpc.RpcError as e:
         print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
         return 1

@@ -48,9 +48,7 @@ class TransferResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def coalesce(
-    src_addrs: Sequence[int], dst_addrs: Sequence[int], length: int
-) -> tuple[list[int], list[int], list[int]]:
+def coalesce(src_addrs: Sequence[int], dst_addrs: Sequence[int], length: int) -> tuple[list[int], list[int], list[int]]:
     """Merge consecutive entries contiguous on both sides; return (srcs, dsts, lengths)."""
     srcs: list[int] = []
     dsts: list[int] = []
@@ -132,9 +130,7 @@ class KVTransferEngine:
         """Time one write of `nbytes` to the peer; return seconds (not counted in counters)."""
         return self._transfer("write", peer_endpoint, [local_addr], [remote_addr], nbytes).seconds
 
-    def _transfer(
-        self, op: str, peer: str, local: Sequence[int], remote: Sequence[int], length: int
-    ) -> TransferResult:
+    def _transfer(self, op: str, peer: str, local: Sequence[int], remote: Sequence[int], length: int) -> TransferResult:
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local addresses but {len(remote)} remote addresses")
         if length <= 0:
@@ -145,16 +141,13 @@ class KVTransferEngine:
             srcs, dsts, lengths = coalesce(local, remote, length)
         else:
             srcs, dsts, lengths = list(local), list(remote), [length] * len(local)
-        call = (
-            self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
-        )
+        call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
         start = time.perf_counter()
         status = call(peer, srcs, dsts, lengths)
         seconds = time.perf_counter() - start
         if status != 0:
             raise TransferError(
-                f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} "
-                f"returned {status}"
+                f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} returned {status}"
             )
         return TransferResult(len(local) * length, len(local), seconds)
 

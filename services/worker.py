@@ -93,11 +93,7 @@ class Worker:
 
     def services(self) -> list[Service]:
         """The Worker service every role serves."""
-        return [
-            Service(
-                "kvconductor.v1.Worker", WorkerServicer(self), worker_pb2_grpc.add_WorkerServicer_to_server
-            )
-        ]
+        return [Service("kvconductor.v1.Worker", WorkerServicer(self), worker_pb2_grpc.add_WorkerServicer_to_server)]
 
     async def publish_kv_events(self) -> None:
         """Send the engine's stored/evicted block hashes to kvmeta."""

@@ -29,9 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
     """Two prefill, one decode and one colocated worker behind the Conductor and the gateway."""
     run_dir = tmp_path_factory.mktemp("cluster") / "run"
-    c = launch_cluster(
-        run_dir, model_dir, "prefill.node_count=2", "decode.node_count=1", "colocated.node_count=1"
-    )
+    c = launch_cluster(run_dir, model_dir, "prefill.node_count=2", "decode.node_count=1", "colocated.node_count=1")
     try:
         yield c
     finally:

@@ -45,7 +45,8 @@ def launch_cluster(run_dir: Path, model: Path, *overrides: str) -> LocalCluster:
     """Start `kvconductor up` on free loopback ports; wait for cluster.json."""
     args = [
         sys.executable, "-m", "services.cli", "up", "--config", "deploy/config.toml", "--run-dir", str(run_dir),
-        "--set", f'model.path="{model}"', "--set", "cluster.etcd_port=0", "--set", 'cluster.scheduler_endpoint="127.0.0.1:0"',
+        "--set", f'model.path="{model}"', "--set", "cluster.etcd_port=0",
+        "--set", 'cluster.scheduler_endpoint="127.0.0.1:0"',
         "--set", "gateway.port=0", "--set", "prefill.kv_cache_memory_mb=64", "--set", "decode.kv_cache_memory_mb=64",
         "--set", "colocated.kv_cache_memory_mb=64", "--set", "cluster.lease_ttl_s=2",
     ]  # fmt: skip
@@ -97,24 +98,18 @@ def worker_loads(cluster):
         if info["role"] not in ("prefill", "decode", "colocated"):
             continue
         with grpc.insecure_channel(address_of(cluster, instance_id)) as channel:
-            loads[instance_id] = worker_pb2_grpc.WorkerStub(channel).GetLoad(
-                worker_pb2.GetLoadRequest(), timeout=10
-            )
+            loads[instance_id] = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
     return loads
 
 
 def address_of(cluster, instance_id):
     with grpc.insecure_channel(cluster.conductor) as channel:
-        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
-            conductor_pb2.GetStatusRequest(), timeout=10
-        )
+        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
     return next(i.address for i in status.instances if i.instance_id == instance_id)
 
 
 def bytes_per_block(cluster):
     with grpc.insecure_channel(cluster.conductor) as channel:
-        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
-            conductor_pb2.GetStatusRequest(), timeout=10
-        )
+        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
     record = json.loads(next(i.record_json for i in status.instances if i.role == "decode"))
     return record["kv_layout"]["bytes_per_block"]

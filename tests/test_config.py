@@ -40,9 +40,7 @@ def test_seed_endpoint_with_scheme_is_accepted():
 
 
 def test_overrides_parse_toml_values_and_name_bad_keys(tmp_path):
-    config = load_config(
-        None, ["prefill.node_count=3", 'cluster.etcd_endpoints=["127.0.0.1:1"]', "model.name=x y"]
-    )
+    config = load_config(None, ["prefill.node_count=3", 'cluster.etcd_endpoints=["127.0.0.1:1"]', "model.name=x y"])
     assert config.prefill.node_count == 3
     assert config.cluster.etcd_endpoints == ["127.0.0.1:1"]
     assert config.model.name == "x y"

@@ -55,9 +55,7 @@ def test_streaming_chat_completion_with_the_openai_client(cluster):
 def test_disaggregated_output_equals_in_process_and_colocated(cluster, prompts, reference):
     before = helpers.worker_loads(cluster)
     for prompt, expected in zip(prompts, reference, strict=True):
-        disaggregated, decision, _ = helpers.grpc_generate(
-            cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED
-        )
+        disaggregated, decision, _ = helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED)
         assert decision.prefill_instance.startswith("prefill-")
         assert decision.decode_instance == "decode-0"
         colocated, decision, _ = helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_COLOCATED)
@@ -78,14 +76,10 @@ def test_disaggregated_output_equals_in_process_and_colocated(cluster, prompts, 
 def test_shared_prefix_is_reused_and_routed_to_its_holder(cluster):
     rng = random.Random(11)
     prefix = [rng.randrange(256) for _ in range(320)]
-    _, first, usage = helpers.grpc_generate(
-        cluster, prefix + [1, 2, 3], conductor_pb2.DEPLOYMENT_DISAGGREGATED
-    )
+    _, first, usage = helpers.grpc_generate(cluster, prefix + [1, 2, 3], conductor_pb2.DEPLOYMENT_DISAGGREGATED)
     assert usage.cached_tokens == 0
     for suffix in ([4, 5, 6, 7], [8, 9]):
-        _, decision, usage = helpers.grpc_generate(
-            cluster, prefix + suffix, conductor_pb2.DEPLOYMENT_DISAGGREGATED
-        )
+        _, decision, usage = helpers.grpc_generate(cluster, prefix + suffix, conductor_pb2.DEPLOYMENT_DISAGGREGATED)
         assert decision.prefill_instance == first.prefill_instance
         assert usage.cached_tokens == 320
         assert decision.prefix_len == 320
@@ -164,9 +158,7 @@ def test_grpc_errors_have_status_codes(cluster):
         assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.RpcError) as vocab:
             list(
-                stub.Generate(
-                    conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=[10**6])), timeout=30
-                )
+                stub.Generate(conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=[10**6])), timeout=30)
             )
         assert vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "vocabulary" in vocab.value.details()

@@ -31,9 +31,7 @@ def small_cluster(tmp_path_factory, model_dir):
 def kvmeta_matches(registry, hashes):
     address = next(iter(registry.list("kvmeta").values()))["address"]
     with grpc.insecure_channel(address) as channel:
-        reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(
-            kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes)
-        )
+        reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes))
     return {m.instance_id: m.prefix_blocks for m in reply.matches}
 
 

@@ -43,8 +43,8 @@ def test_prefix_holder_wins_when_idle_and_queue_moves_work_away():
 def test_decode_selection_prefers_the_lightest_batch_with_room():
     shape = RequestShape(num_prompt_tokens=100, num_blocks=10, kv_bytes=0)
     slo = Slo(max_ttft=10.0, max_tbt=1.0)
-    plan = schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [decode("d0", 8), decode("d1", 2), decode("d2", 0, free=5)],
-                    shape, slo, None)  # fmt: skip
+    decodes = [decode("d0", 8), decode("d1", 2), decode("d2", 0, free=5)]
+    plan = schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], decodes, shape, slo, None)
     assert isinstance(plan, Plan)
     assert plan.decode_instance == "d1"
 

@@ -79,9 +79,7 @@ def local() -> tuple[KVTransferEngine, torch.Tensor]:
 
 
 def random_pool(seed: int) -> torch.Tensor:
-    return torch.randint(
-        0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-    )
+    return torch.randint(0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
 def blocks_of(pool: torch.Tensor, ids: list[int]) -> list[int]:
@@ -100,18 +98,14 @@ def test_coalesce_merges_runs_contiguous_on_both_sides() -> None:
 
 
 @pytest.mark.parametrize("merge", [True, False])
-def test_write_blocks_land_exactly(
-    peer: Peer, local: tuple[KVTransferEngine, torch.Tensor], merge: bool
-) -> None:
+def test_write_blocks_land_exactly(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor], merge: bool) -> None:
     engine, pool = local
     engine.merge = merge
     pool.copy_(random_pool(1))
     peer.fill(torch.zeros(POOL_BYTES, dtype=torch.uint8))
     written_before, blocks_before = engine.bytes_written, engine.blocks_written
 
-    result = engine.write_blocks(
-        peer.endpoint, blocks_of(pool, SRC_IDS), [peer.addr(i) for i in DST_IDS], BLOCK
-    )
+    result = engine.write_blocks(peer.endpoint, blocks_of(pool, SRC_IDS), [peer.addr(i) for i in DST_IDS], BLOCK)
 
     expected = torch.zeros(POOL_BYTES, dtype=torch.uint8)
     for s, d in zip(SRC_IDS, DST_IDS, strict=True):
@@ -130,9 +124,7 @@ def test_read_blocks_pull_exactly(peer: Peer, local: tuple[KVTransferEngine, tor
     pool.zero_()
     read_before = engine.bytes_read
 
-    result = engine.read_blocks(
-        peer.endpoint, blocks_of(pool, DST_IDS), [peer.addr(i) for i in SRC_IDS], BLOCK
-    )
+    result = engine.read_blocks(peer.endpoint, blocks_of(pool, DST_IDS), [peer.addr(i) for i in SRC_IDS], BLOCK)
 
     expected = torch.zeros(POOL_BYTES, dtype=torch.uint8)
     for s, d in zip(SRC_IDS, DST_IDS, strict=True):
@@ -159,9 +151,7 @@ def test_unknown_peer_raises(local: tuple[KVTransferEngine, torch.Tensor]) -> No
         engine.write_blocks("127.0.0.1:1", [pool.data_ptr()], [pool.data_ptr()], BLOCK)
 
 
-def test_write_outside_peer_registration_is_rejected(
-    peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]
-) -> None:
+def test_write_outside_peer_registration_is_rejected(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
     engine, pool = local
     with pytest.raises(TransferError, match="returned"):
         engine.write_blocks(peer.endpoint, [pool.data_ptr()], [peer.base + POOL_BYTES - 4096], 2 * 4096)

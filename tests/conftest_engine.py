@@ -60,3 +60,33 @@ def prefill_then_decode(
                 tokens += out.new_token_ids
                 finished = out.finished
     return tokens
+
+
+def make_hf_model(out_dir: Path, arch: str, tie: bool, seed: int = 0, **shape: int) -> Path:
+    """Write a random Llama or Qwen2 checkpoint with ``transformers`` itself (an independent writer).
+
+    Weights are re-drawn from one seeded generator with std 1/sqrt(fan_in) (embeddings std 1,
+    biases std 0.1) so logits have clear top-1 gaps and greedy decoding is far from float noise.
+    """
+    import transformers
+
+    torch.set_num_threads(1)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(vocab_size=300, max_position_embeddings=512, tie_word_embeddings=tie, eos_token_id=299, **shape)
+    model = model_cls(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                continue
+            if param.dim() == 1:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+    model.save_pretrained(out_dir)
+    return out_dir

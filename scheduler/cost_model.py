@@ -18,6 +18,7 @@ zero, so a noisy fit can never predict negative time.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -108,3 +109,53 @@ class TransferModel:
     def from_gbps(cls, gbps: float, latency_s: float = 0.003) -> TransferModel:
         """A model from a configured link speed in Gbit/s (the default latency is the TCP per-call cost)."""
         return cls(latency_s, gbps * 1e9 / 8)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> TransferModel | None:
+        """Least squares over (bytes, seconds); None when the samples cannot separate latency from bandwidth."""
+        if len({b for b, _ in samples}) < 2:
+            return None
+        latency, per_byte = _lstsq_nonneg([[1.0, float(b)] for b, _ in samples], [s for _, s in samples])
+        if per_byte <= 0:
+            return None
+        return cls(latency, 1.0 / per_byte)
+
+
+class LinkModels:
+    """Transfer models per (source, destination) instance pair, learned from the transfers they report.
+
+    A pair's model is fitted from its recent transfers; a pair with too few falls back to a fit over
+    every link from the same source, then over all links, then to the configured prior.
+    """
+
+    def __init__(self, prior: TransferModel, window: int = 64) -> None:
+        self.prior = prior
+        self.window = window
+        self._samples: dict[tuple[str, str], deque[tuple[int, float]]] = {}
+        self._cache: dict[tuple[str, str], TransferModel] = {}
+
+    def observe(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
+        """Record one measured transfer."""
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        self._samples.setdefault((source, destination), deque(maxlen=self.window)).append((num_bytes, seconds))
+        self._cache.clear()
+
+    def model(self, source: str, destination: str = "") -> TransferModel:
+        """The best model for a pair (destination "" = any destination from ``source``)."""
+        key = (source, destination)
+        if key not in self._cache:
+            self._cache[key] = self._fit(source, destination)
+        return self._cache[key]
+
+    def _fit(self, source: str, destination: str) -> TransferModel:
+        groups = [
+            [s for (src, dst), q in self._samples.items() if src == source and dst == destination for s in q],
+            [s for (src, _), q in self._samples.items() if src == source for s in q],
+            [s for q in self._samples.values() for s in q],
+        ]
+        for samples in groups:
+            fitted = TransferModel.fit(samples)
+            if fitted is not None:
+                return fitted
+        return self.prior

@@ -1,24 +1,40 @@
-"""The Conductor's KVCache-centric scheduling: Mooncake (FAST'25) Algorithm 1 and SLO admission.
+"""The Conductor's KVCache-centric scheduling: Mooncake (FAST'25) Algorithm 1, SLO admission, baselines.
 
-Pure functions over snapshots of the instances, so that the live Conductor and an offline simulator
-run the same code. For each prefill instance the predicted TTFT is::
+Pure code over snapshots of the instances, so that the live Conductor and the simulator run the same
+decisions. For each prefill instance (``prefix_len`` = prompt tokens it holds, ``best_len`` = the most
+any instance holds)::
 
-    TTFT = T_queue + T_prefill(prompt - prefix_len, prefix_len) + T_send(prompt KV to decode)
+    if best_len / prefix_len > kv_cache_balancing_threshold:      # infinite when prefix_len == 0
+        copy plan:   T_transfer = copy(best_len - prefix_len);  T_prefill = T_prefill(n - best_len, best_len)
+    else:
+        local plan:  T_transfer = 0;                            T_prefill = T_prefill(n - prefix_len, prefix_len)
+    TTFT = T_queue + T_transfer + T_prefill + T_send(prompt KV to decode)
 
-and the instance with the least TTFT wins. The decode instance is the one with the lowest predicted
-TBT once the request joins its batch, among those with enough free KV blocks and a free slot. A plan
-whose TTFT or TBT breaks the SLO is rejected (when the operator asks for rejection).
+Beyond the paper, ``compare_copy_with_recompute`` keeps the copy plan only when it is predicted faster
+than recomputing the same blocks. The least TTFT wins. The decode instance is the one whose predicted
+TBT with the request added is lowest, among those with free KV blocks for the whole request and a free
+slot. Admission rejects a plan whose TTFT or TBT breaks the SLO.
 
-KV copy between prefill instances (the ``kv_cache_balancing_threshold`` branch of Algorithm 1) is not
-planned yet: every instance computes what it does not hold itself.
+Early rejection (Mooncake arXiv v3, section 7): *plain* judges TBT on the decode batch as it is now;
+*prediction* judges it at the moment the request's prefill would finish, counting the requests whose
+prefill completes by then and dropping those whose decode will have finished.
+
+Baselines for comparisons choose the prefill instance differently and never copy: ``round_robin``,
+``random``, ``least_loaded`` (least T_queue) and ``cache_aware`` (longest prefix, then least T_queue).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
+from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel
+
+POLICIES = ("kvcache_centric", "round_robin", "random", "least_loaded", "cache_aware")
+EARLY_REJECTION = ("prediction", "plain")
 
 
 @dataclass(frozen=True)
@@ -32,15 +48,28 @@ class PrefillCandidate:
 
 
 @dataclass(frozen=True)
+class Resident:
+    """A request on a decode instance; times in seconds relative to now."""
+
+    t_join: float  # when it starts decoding (<= 0: decoding already)
+    t_leave: float  # when it is expected to finish
+    context: int  # tokens it attends to
+
+
+@dataclass(frozen=True)
 class DecodeCandidate:
     """A decode (or colocated) instance's load."""
 
     instance_id: str
-    num_running: int  # requests in its batch
-    total_context: int  # tokens those requests attend to
+    residents: tuple[Resident, ...]
     num_free_blocks: int
     max_running: int  # max_concurrent_requests
     model: DecodeModel
+
+    def predicted_tbt(self, at: float, context: int) -> float:
+        """Step time at time ``at`` with one more request of ``context`` tokens in the batch."""
+        batch = [r for r in self.residents if r.t_join <= at < r.t_leave]
+        return self.model.predict(len(batch) + 1, sum(r.context for r in batch) + context)
 
 
 @dataclass(frozen=True)
@@ -49,7 +78,16 @@ class RequestShape:
 
     num_prompt_tokens: int
     num_blocks: int  # KV blocks the decode instance must reserve (prompt + max_tokens)
-    kv_bytes: int  # bytes of the prompt's KV sent from prefill to decode
+    block_size: int
+    bytes_per_block: int
+
+    def usable_prefix(self, prefix_len: int) -> int:
+        """Reusable cached tokens: whole blocks, leaving the last prompt token to compute."""
+        return min(prefix_len, (self.num_prompt_tokens - 1) // self.block_size * self.block_size)
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """Bytes of the KV blocks holding ``num_tokens`` tokens."""
+        return math.ceil(num_tokens / self.block_size) * self.bytes_per_block
 
 
 @dataclass(frozen=True)
@@ -62,19 +100,32 @@ class Slo:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """The knobs of ``[scheduler]``."""
+
+    policy: str = "kvcache_centric"
+    kv_cache_balancing_threshold: float = 1.2
+    compare_copy_with_recompute: bool = True
+    early_rejection: str = "prediction"
+
+
+@dataclass(frozen=True)
 class PrefillEstimate:
     """Algorithm 1's estimates for one prefill candidate."""
 
     instance_id: str
-    prefix_len: int
+    prefix_len: int  # reused tokens: its own, or best_len when the plan copies
     t_queue: float
+    t_transfer: float  # KV copy from the best holder (0 without a copy)
     t_prefill: float
-    t_send: float
+    t_send: float  # prompt KV to the decode instance
+    copy_from: str = ""  # best holder to copy from; empty = no copy
+    copy_tokens: int = 0  # tokens of KV copied (best_len - own prefix)
 
     @property
     def ttft(self) -> float:
         """Predicted time to first token."""
-        return self.t_queue + self.t_prefill + self.t_send
+        return self.t_queue + self.t_transfer + self.t_prefill + self.t_send
 
 
 @dataclass(frozen=True)
@@ -87,6 +138,7 @@ class Plan:
     best_len: int
     best_instance: str
     candidates: tuple[PrefillEstimate, ...]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -97,46 +149,127 @@ class Rejection:
     plan: Plan | None = None
 
 
-def estimate_prefill(candidate: PrefillCandidate, request: RequestShape, send: TransferModel | None) -> PrefillEstimate:
-    """T_queue, T_prefill and T_send of running the request on one prefill candidate."""
-    prefix_len = min(candidate.prefix_len, request.num_prompt_tokens - 1)
-    t_prefill = candidate.model.predict(request.num_prompt_tokens - prefix_len, prefix_len)
-    t_send = send.predict(request.kv_bytes) if send is not None else 0.0
-    return PrefillEstimate(candidate.instance_id, prefix_len, candidate.t_queue, t_prefill, t_send)
+@dataclass
+class ConductorPolicy:
+    """Chooses (prefill, decode) per request; holds the baselines' state (round-robin turn, RNG)."""
+
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    seed: int = 0
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.config.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.config.policy!r}")
+        if self.config.early_rejection not in EARLY_REJECTION:
+            raise ValueError(f"early_rejection must be one of {', '.join(EARLY_REJECTION)}")
+        self._rng = random.Random(self.seed)
+
+    def schedule(
+        self,
+        prefills: Sequence[PrefillCandidate],
+        decodes: Sequence[DecodeCandidate],
+        request: RequestShape,
+        slo: Slo,
+        links: LinkModels | None = None,
+    ) -> Plan | Rejection:
+        """Algorithm 1: pick (prefill, decode) by predicted TTFT and TBT, or reject.
+
+        ``links`` predicts KV transfers: copies between prefill instances and the prompt KV's trip to the
+        decode instance. None (the colocated path) means no transfers at all.
+        """
+        if not prefills:
+            return Rejection("no prefill instance is available")
+        best = max(prefills, key=lambda p: (request.usable_prefix(p.prefix_len), p.instance_id))
+        best_len = request.usable_prefix(best.prefix_len)
+        can_copy = links is not None and self.config.policy == "kvcache_centric"
+        estimates = tuple(self._estimate(p, best if can_copy else None, request, links) for p in prefills)
+        chosen = self._choose(estimates, prefills)
+        at = chosen.ttft if self.config.early_rejection == "prediction" else 0.0
+        decode = select_decode(decodes, request, at)
+        if decode is None:
+            return Rejection(f"no decode instance has {request.num_blocks} free KV blocks and a free slot")
+        plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "")
+        plan = replace(plan, reason=self._explain(plan))
+        return admit(plan, slo)
+
+    def _estimate(
+        self,
+        p: PrefillCandidate,
+        best: PrefillCandidate | None,
+        request: RequestShape,
+        links: LinkModels | None,
+    ) -> PrefillEstimate:
+        n = request.num_prompt_tokens
+        own = request.usable_prefix(p.prefix_len)
+        t_send = links.model(p.instance_id).predict(request.kv_bytes(n)) if links is not None else 0.0
+        local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.model.predict(n - own, own), t_send)
+        if best is None or links is None or best.instance_id == p.instance_id:
+            return local
+        best_len = request.usable_prefix(best.prefix_len)
+        ratio = math.inf if own == 0 else best_len / own
+        if best_len <= own or ratio <= self.config.kv_cache_balancing_threshold:
+            return local
+        copy_tokens = best_len - own
+        copied = replace(
+            local,
+            prefix_len=best_len,
+            t_transfer=links.model(best.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens)),
+            t_prefill=p.model.predict(n - best_len, best_len),
+            copy_from=best.instance_id,
+            copy_tokens=copy_tokens,
+        )
+        if self.config.compare_copy_with_recompute and copied.ttft >= local.ttft:
+            return local
+        return copied
+
+    def _choose(self, estimates: tuple[PrefillEstimate, ...], prefills: Sequence[PrefillCandidate]) -> PrefillEstimate:
+        policy = self.config.policy
+        if policy == "round_robin":
+            return estimates[next(self._turn) % len(estimates)]
+        if policy == "random":
+            return self._rng.choice(estimates)
+        if policy == "least_loaded":
+            return min(estimates, key=lambda e: (e.t_queue, e.instance_id))
+        if policy == "cache_aware":
+            return min(estimates, key=lambda e: (-e.prefix_len, e.t_queue, e.instance_id))
+        return min(estimates, key=lambda e: (e.ttft, -e.prefix_len, e.instance_id))
+
+    def _explain(self, plan: Plan) -> str:
+        e = plan.prefill
+        others = ", ".join(f"{c.instance_id}={c.ttft * 1e3:.0f}ms" for c in plan.candidates)
+        how = f"copies {e.copy_tokens} tokens of KV from {e.copy_from}" if e.copy_from else "computes locally"
+        rule = {
+            "kvcache_centric": f"least predicted TTFT ({others})",
+            "round_robin": "round-robin turn",
+            "random": "random choice",
+            "least_loaded": "least T_queue",
+            "cache_aware": "longest cached prefix",
+        }[self.config.policy]
+        when = "when its prefill ends" if self.config.early_rejection == "prediction" else "now"
+        return (
+            f"prefill {e.instance_id} by {rule}; it reuses {e.prefix_len} tokens and {how}; "
+            f"decode {plan.decode_instance} has the lowest predicted TBT {when} ({plan.tbt * 1e3:.1f} ms)"
+        )
 
 
-def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape) -> tuple[str, float] | None:
-    """The decode instance with the lowest predicted TBT once the request joins, or None if none fits."""
+def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at: float) -> tuple[str, float] | None:
+    """The decode instance with the lowest predicted TBT at time ``at``, or None if none has room."""
     best: tuple[str, float] | None = None
     for d in decodes:
-        if d.num_free_blocks < request.num_blocks or d.num_running >= d.max_running:
+        if d.num_free_blocks < request.num_blocks or len(d.residents) >= d.max_running:
             continue
-        tbt = d.model.predict(d.num_running + 1, d.total_context + request.num_prompt_tokens)
+        tbt = d.predicted_tbt(at, request.num_prompt_tokens)
         if best is None or tbt < best[1]:
             best = (d.instance_id, tbt)
     return best
 
 
-def schedule(
-    prefills: Sequence[PrefillCandidate],
-    decodes: Sequence[DecodeCandidate],
-    request: RequestShape,
-    slo: Slo,
-    send: TransferModel | None,
-) -> Plan | Rejection:
-    """Algorithm 1: pick (prefill, decode) by predicted TTFT and TBT, or reject."""
-    if not prefills:
-        return Rejection("no prefill instance is available")
-    estimates = tuple(estimate_prefill(p, request, send) for p in prefills)
-    chosen = min(estimates, key=lambda e: (e.ttft, -e.prefix_len, e.instance_id))
-    best = max(prefills, key=lambda p: (p.prefix_len, p.instance_id == chosen.instance_id))
-    decode = select_decode(decodes, request)
-    if decode is None:
-        return Rejection(f"no decode instance has {request.num_blocks} free KV blocks and a free slot")
-    plan = Plan(chosen, decode[0], decode[1], best.prefix_len, best.instance_id, estimates)
-    if slo.reject and chosen.ttft > slo.max_ttft:
+def admit(plan: Plan, slo: Slo) -> Plan | Rejection:
+    """Reject a plan that breaks the TTFT or TBT SLO (when the operator asks for rejection)."""
+    if slo.reject and plan.prefill.ttft > slo.max_ttft:
         return Rejection(
-            f"predicted TTFT {chosen.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms", plan
+            f"predicted TTFT {plan.prefill.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms", plan
         )
     if slo.reject and plan.tbt > slo.max_tbt:
         return Rejection(f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms", plan)

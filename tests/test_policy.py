@@ -1,17 +1,43 @@
+"""Algorithm 1, admission and the baselines on scripted cluster states."""
+
+import math
+
 import pytest
 
-from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
+from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.kv_index import KVIndex
-from scheduler.policy import DecodeCandidate, Plan, PrefillCandidate, Rejection, RequestShape, Slo, schedule
+from scheduler.policy import (
+    ConductorPolicy,
+    DecodeCandidate,
+    Plan,
+    PolicyConfig,
+    PrefillCandidate,
+    Rejection,
+    RequestShape,
+    Resident,
+    Slo,
+)
 
 pytestmark = pytest.mark.unit
 
-PREFILL = PrefillModel(c0=0.002, c1=0.0002, c2=1e-8)
+PREFILL = PrefillModel(c0=0.002, c1=0.0002, c2=1e-8)  # ~5,000 tokens/s
 DECODE = DecodeModel(d0=0.005, d1=0.0005, d2=1e-6)
+FAST_LINK = LinkModels(TransferModel(latency_s=0.001, bandwidth_bytes_per_s=1e9))
+SLOW_LINK = LinkModels(TransferModel(latency_s=0.001, bandwidth_bytes_per_s=1e6))
+BPB = 64 * 1024  # bytes per 16-token block
+SLO = Slo(max_ttft=10.0, max_tbt=1.0)
 
 
-def decode(instance_id="d0", running=0, free=1000):
-    return DecodeCandidate(instance_id, running, running * 100, free, 64, DECODE)
+def shape(n=1024, blocks=None):
+    return RequestShape(n, blocks or math.ceil((n + 16) / 16), 16, BPB)
+
+
+def decode(instance_id="d0", residents=(), free=10_000):
+    return DecodeCandidate(instance_id, tuple(residents), free, 64, DECODE)
+
+
+def policy(**kw):
+    return ConductorPolicy(PolicyConfig(**kw))
 
 
 def test_cost_models_fit_recovers_coefficients():
@@ -24,42 +50,143 @@ def test_cost_models_fit_recovers_coefficients():
     assert TransferModel.from_gbps(8.0, latency_s=0.001).predict(10**9) == pytest.approx(1.001)
 
 
-def test_prefix_holder_wins_when_idle_and_queue_moves_work_away():
-    shape = RequestShape(num_prompt_tokens=1024, num_blocks=70, kv_bytes=0)
-    slo = Slo(max_ttft=10.0, max_tbt=1.0)
+def test_link_models_learn_a_pair_and_fall_back_to_the_prior():
+    prior = TransferModel(0.003, 1e9)
+    links = LinkModels(prior)
+    assert links.model("p0", "d0") is prior
+    for nbytes in (1 << 16, 1 << 20, 1 << 24):
+        links.observe("p0", "d0", nbytes, 0.0005 + nbytes / 2e9)
+    learned = links.model("p0", "d0")
+    assert learned.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert learned.latency_s == pytest.approx(0.0005, rel=1e-6)
+    assert links.model("p0").bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)  # same source, any dest
+    assert links.model("p9", "d0").bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)  # all links
+
+
+def test_prefix_holder_wins_when_idle():
     idle = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 768, 0.0, PREFILL)]
-    plan = schedule(idle, [decode()], shape, slo, None)
+    plan = policy().schedule(idle, [decode()], shape(), SLO, FAST_LINK)
     assert isinstance(plan, Plan)
     assert plan.prefill.instance_id == "p1"
-    assert plan.prefill.prefix_len == 768
+    assert (plan.prefill.prefix_len, plan.prefill.copy_from) == (768, "")
     assert (plan.best_len, plan.best_instance) == (768, "p1")
-    busy = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 768, 5.0, PREFILL)]
-    plan = schedule(busy, [decode()], shape, slo, None)
+    assert "p1" in plan.reason
+
+
+def test_busy_hot_holder_vs_idle_cold_instance_copy_or_recompute_by_bandwidth():
+    cluster = [PrefillCandidate("hot", 960, 2.0, PREFILL), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    copied = policy().schedule(cluster, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(copied, Plan)
+    assert copied.prefill.instance_id == "cold"
+    assert (copied.prefill.copy_from, copied.prefill.copy_tokens, copied.prefill.prefix_len) == ("hot", 960, 960)
+    expected = FAST_LINK.model("hot", "cold").predict(60 * BPB) + PREFILL.predict(1024 - 960, 960)
+    assert copied.prefill.t_transfer + copied.prefill.t_prefill == pytest.approx(expected)
+    # Over a slow link the copy costs more than recomputing: the cold instance computes everything.
+    recomputed = policy().schedule(cluster, [decode()], shape(), SLO, SLOW_LINK)
+    assert isinstance(recomputed, Plan)
+    assert recomputed.prefill.instance_id == "cold"
+    assert (recomputed.prefill.copy_from, recomputed.prefill.prefix_len) == ("", 0)
+    # The paper's rule alone plans the slow copy for the cold instance, which then loses to the busy holder.
+    forced = policy(compare_copy_with_recompute=False).schedule(cluster, [decode()], shape(), SLO, SLOW_LINK)
+    assert isinstance(forced, Plan)
+    assert next(c for c in forced.candidates if c.instance_id == "cold").copy_from == "hot"
+    assert forced.prefill.instance_id == "hot"
+
+
+@pytest.mark.parametrize(("threshold", "copies"), [(1.49, True), (1.5, False), (0.8, True), (math.inf, False)])
+def test_threshold_boundary(threshold, copies):
+    # best_len / prefix_len = 960 / 640 = 1.5: copy only when the ratio is above the threshold.
+    cluster = [PrefillCandidate("hot", 960, 5.0, PREFILL), PrefillCandidate("warm", 640, 0.0, PREFILL)]
+    plan = policy(kv_cache_balancing_threshold=threshold, compare_copy_with_recompute=False).schedule(
+        cluster, [decode()], shape(), SLO, FAST_LINK
+    )
     assert isinstance(plan, Plan)
-    assert plan.prefill.instance_id == "p0"
-    assert plan.prefill.ttft < 5.0
+    warm = next(c for c in plan.candidates if c.instance_id == "warm")
+    assert (warm.copy_from == "hot") is copies
+    assert warm.prefix_len == (960 if copies else 640)
+
+
+def test_instance_with_no_match_has_an_infinite_ratio():
+    cluster = [PrefillCandidate("hot", 16, 5.0, PREFILL), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    plan = policy(kv_cache_balancing_threshold=1000.0, compare_copy_with_recompute=False).schedule(
+        cluster, [decode()], shape(), SLO, FAST_LINK
+    )
+    assert isinstance(plan, Plan)
+    assert next(c for c in plan.candidates if c.instance_id == "cold").copy_from == "hot"
+
+
+def test_no_copies_without_links_or_under_baselines():
+    cluster = [PrefillCandidate("hot", 960, 5.0, PREFILL), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    for plan in (
+        policy().schedule(cluster, [decode()], shape(), SLO, None),
+        policy(policy="least_loaded").schedule(cluster, [decode()], shape(), SLO, FAST_LINK),
+    ):
+        assert isinstance(plan, Plan)
+        assert all(c.copy_from == "" for c in plan.candidates)
+
+
+def test_prompt_fully_cached_still_computes_its_last_token():
+    plan = policy().schedule([PrefillCandidate("p0", 1024, 0.0, PREFILL)], [decode()], shape(1024), SLO, None)
+    assert isinstance(plan, Plan)
+    assert plan.prefill.prefix_len == 1008
 
 
 def test_decode_selection_prefers_the_lightest_batch_with_room():
-    shape = RequestShape(num_prompt_tokens=100, num_blocks=10, kv_bytes=0)
-    slo = Slo(max_ttft=10.0, max_tbt=1.0)
-    decodes = [decode("d0", 8), decode("d1", 2), decode("d2", 0, free=5)]
-    plan = schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], decodes, shape, slo, None)
+    now = Resident(-1.0, 10.0, 100)
+    decodes = [decode("d0", [now] * 8), decode("d1", [now] * 2), decode("d2", [], free=5)]
+    plan = policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], decodes, shape(100), SLO, None)
     assert isinstance(plan, Plan)
     assert plan.decode_instance == "d1"
+    full = DecodeCandidate("d3", (now,) * 4, 10_000, 4, DECODE)
+    assert isinstance(policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [full], shape(100), SLO, None),
+                      Rejection)  # fmt: skip
 
 
-def test_slo_rejection_gives_reason_and_numbers():
-    shape = RequestShape(num_prompt_tokens=4000, num_blocks=260, kv_bytes=4000 * 4096)
-    send = TransferModel.from_gbps(10)
-    result = schedule([PrefillCandidate("p0", 0, 3.0, PREFILL)], [decode()], shape, Slo(2.0, 1.0), send)
-    assert isinstance(result, Rejection)
-    assert "TTFT" in result.reason and "2000 ms" in result.reason
-    assert result.plan is not None and result.plan.prefill.ttft > 3.0
-    assert isinstance(schedule([PrefillCandidate("p0", 0, 3.0, PREFILL)], [decode()], shape,
-                               Slo(2.0, 1.0, reject=False), send), Plan)  # fmt: skip
-    full = schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [decode(free=3)], shape, Slo(9, 9), send)
+def test_rejection_on_ttft_and_on_tbt_gives_reason_and_numbers():
+    busy = [PrefillCandidate("p0", 0, 3.0, PREFILL)]
+    rejected = policy().schedule(busy, [decode()], shape(), Slo(2.0, 1.0), FAST_LINK)
+    assert isinstance(rejected, Rejection)
+    assert "TTFT" in rejected.reason and "2000 ms" in rejected.reason
+    assert rejected.plan is not None and rejected.plan.prefill.ttft > 3.0
+    assert isinstance(policy().schedule(busy, [decode()], shape(), Slo(2.0, 1.0, reject=False), FAST_LINK), Plan)
+    crowded = decode("d0", [Resident(-1.0, 60.0, 2000)] * 40)
+    rejected = policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [crowded], shape(), Slo(9, 0.05))
+    assert isinstance(rejected, Rejection)
+    assert "TBT" in rejected.reason and "50 ms" in rejected.reason
+    full = policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [decode(free=3)], shape(), Slo(9, 9))
     assert isinstance(full, Rejection) and "free KV blocks" in full.reason
+
+
+def test_prediction_based_rejection_vs_plain_early_rejection():
+    slo = Slo(max_ttft=10.0, max_tbt=0.030)
+    prefills = [PrefillCandidate("p0", 0, 0.5, PREFILL)]  # TTFT ~0.72 s
+    # The batch is heavy now but drains before this request's prefill ends: plain refuses, prediction accepts.
+    leaving = decode("d0", [Resident(-5.0, 0.3, 1000)] * 40)
+    assert isinstance(policy(early_rejection="plain").schedule(prefills, [leaving], shape(), slo), Rejection)
+    assert isinstance(policy(early_rejection="prediction").schedule(prefills, [leaving], shape(), slo), Plan)
+    # The batch is light now but prefilled requests join it before ours: plain accepts, prediction refuses.
+    joining = decode("d0", [Resident(0.2, 30.0, 1000)] * 40)
+    assert isinstance(policy(early_rejection="plain").schedule(prefills, [joining], shape(), slo), Plan)
+    assert isinstance(policy(early_rejection="prediction").schedule(prefills, [joining], shape(), slo), Rejection)
+
+
+def test_baselines_choose_as_named():
+    cluster = [
+        PrefillCandidate("a", 0, 0.5, PREFILL),
+        PrefillCandidate("b", 512, 0.9, PREFILL),
+        PrefillCandidate("c", 0, 0.1, PREFILL),
+    ]
+
+    def chosen(name, n=1):
+        p = policy(policy=name)
+        return [p.schedule(cluster, [decode()], shape(), SLO, None).prefill.instance_id for _ in range(n)]
+
+    assert chosen("round_robin", 4) == ["a", "b", "c", "a"]
+    assert chosen("least_loaded") == ["c"]
+    assert chosen("cache_aware") == ["b"]
+    assert set(chosen("random", 30)) == {"a", "b", "c"}
+    with pytest.raises(ValueError, match="policy must be one of"):
+        policy(policy="fastest")
 
 
 def test_kv_index_prefix_match_gaps_and_drops():

@@ -74,6 +74,23 @@ class KVPool:
             raise ValueError(f"block_id {block_id} out of range [0, {self.num_blocks})")
         return self.base_address + block_id * self._bytes_per_block
 
+    def store(
+        self, layer_idx: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write K and V ``[T, H_kv, D]`` of ``T`` tokens into their (block, offset) slots of one layer."""
+        layer = self.data[:, layer_idx]
+        layer[slot_blocks, 0, slot_offsets] = k.to(self.data.dtype)
+        layer[slot_blocks, 1, slot_offsets] = v.to(self.data.dtype)
+
+    def gather(
+        self, layer_idx: int, block_tables: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H_kv, blocks * block_size, D]`` in ``dtype`` of the ``[B, blocks]`` tables."""
+        context = self.data[block_tables, layer_idx].to(dtype)  # [B, blocks, 2, block_size, H_kv, D]
+        num_seqs, _, _, _, num_heads, head_dim = context.shape
+        context = context.transpose(2, 3).reshape(num_seqs, -1, 2, num_heads, head_dim)
+        return context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
+
     def layer(self, layer_idx: int) -> torch.Tensor:
         """View ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` of one layer's K and V."""
         return self.data[:, layer_idx]

@@ -89,7 +89,7 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def step(self) -> list[StepOutput]:
-        """Run one prefill or decode step; returns an output per request that got a token."""
+        """Run one step (decode tokens and prefill chunks together); returns an output per request that got a token."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []

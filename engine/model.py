@@ -84,7 +84,7 @@ class Attention(nn.Module):
         q = _rotate(self.q_proj(x).view(-1, self.num_heads, self.head_dim), cos, sin)
         k = _rotate(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        out: torch.Tensor = self.o_proj(paged_attention(q, k, v, pool.layer(self.layer_idx), batch))
+        out: torch.Tensor = self.o_proj(paged_attention(q, k, v, pool, self.layer_idx, batch))
         return out
 
 

@@ -9,7 +9,7 @@ from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    """Runs the model over the KV pool; one batched forward per step, prefill or decode."""
+    """Runs the model over the KV pool; one batched forward per step, decodes and prefill chunks together."""
 
     def __init__(self, model: CausalLM, kv_pool: KVPool) -> None:
         """Bind the model to the pool it reads and writes."""

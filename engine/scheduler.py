@@ -1,11 +1,12 @@
 """Continuous-batching scheduler: admission, chunked prefill, decode, and finishing.
 
-Each step is either a prefill step (chunks of prompts, several requests packed up
-to ``max_num_batched_tokens``; requests already prefilling go first) or, when no
-prompt is left to compute, a decode step of every running request. A request is
-admitted only when the blocks for the whole request can be allocated, so decode
-never runs out of blocks and nothing is ever preempted. Admission is FIFO: the
-head of the queue is never skipped.
+As in vLLM v1 there is no prefill or decode phase, only computed vs. total tokens:
+each step packs, within ``max_num_batched_tokens``, first one token for every
+decoding request (so a stream of arrivals never stalls running decodes), then the
+next prompt chunk of every request still prefilling, then the first chunks of
+newly admitted requests. A request is admitted only when the blocks for the whole
+request can be allocated, so decode never runs out of blocks and nothing is ever
+preempted. Admission is FIFO: the head of the queue is never skipped.
 """
 
 from collections import deque
@@ -85,13 +86,21 @@ class Scheduler:
         return output
 
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step's batch, or None when there is nothing to run."""
-        batch = self._schedule_prefill()
-        if batch.requests:
-            return batch
-        if self.running:
-            return ScheduledBatch(list(self.running), [1] * len(self.running))
-        return None
+        """Pick the next step's batch (decodes, then prefill chunks, then admissions), or None if idle."""
+        batch = ScheduledBatch([], [])
+        budget = self.max_num_batched_tokens
+        decoding = [r for r in self.running if not r.is_prefilling]
+        prefilling = [r for r in self.running if r.is_prefilling]
+        for request in [*decoding, *prefilling]:
+            if budget > 0:
+                budget -= self._add_chunk(batch, request, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self._admit(self.waiting[0]):
+                break
+            request = self.waiting.popleft()
+            self.running.append(request)
+            budget -= self._add_chunk(batch, request, budget)
+        return batch if batch.requests else None
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[StepOutput]:
         """Advance the batch's requests after the forward; ``sampled`` maps batch rows to new tokens."""
@@ -118,25 +127,10 @@ class Scheduler:
         if request is not None:
             self.block_manager.free(request.block_table)
 
-    def _schedule_prefill(self) -> ScheduledBatch:
-        """Continue prefilling requests, then admit waiting ones, within the token budget."""
-        batch = ScheduledBatch([], [])
-        budget = self.max_num_batched_tokens
-        for request in self.running:
-            if request.is_prefilling and budget > 0:
-                budget -= self._add_chunk(batch, request, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0]):
-                break
-            request = self.waiting.popleft()
-            self.running.append(request)
-            budget -= self._add_chunk(batch, request, budget)
-        return batch
-
     @staticmethod
     def _add_chunk(batch: ScheduledBatch, request: Request, budget: int) -> int:
-        """Add the next prompt chunk of ``request`` (at most ``budget`` tokens); return its size."""
-        size = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
+        """Add the next tokens of ``request`` without KV (at most ``budget``); return how many."""
+        size = min(request.num_tokens - request.num_computed_tokens, budget)
         batch.requests.append(request)
         batch.num_new_tokens.append(size)
         return size

@@ -107,3 +107,17 @@ def test_prefilled_request_finishing_on_its_first_token(model_dir: Path) -> None
     out = decode.add_prefilled_request("one", list(range(10)), 7, params)
     assert out is not None and out.finished and out.finish_reason == "length" and out.new_token_ids == [7]
     assert decode.num_free_blocks == 8 and not decode.has_unfinished_requests()
+
+
+def test_arrivals_do_not_stall_running_decodes(model_dir: Path, baseline: list[int]) -> None:
+    engine = LLMEngine(model_dir, num_blocks=256, max_num_batched_tokens=32)
+    engine.add_request("main", PROMPT, GREEDY)
+    main: list[int] = []
+    while not main:
+        main += [t for o in engine.step() if o.request_id == "main" for t in o.new_token_ids]
+    for i in range(GREEDY.max_tokens - 1):  # a 40-token prompt arrives before every step
+        engine.add_request(f"arrival-{i}", random_prompt(40, seed=100 + i), SamplingParams(max_tokens=2))
+        (out,) = [o for o in engine.step() if o.request_id == "main"]
+        main += out.new_token_ids
+    assert out.finished and main == baseline
+    assert engine.stats().num_waiting + engine.stats().num_running > 0  # the arrivals are still queued

@@ -113,3 +113,33 @@ def test_bfloat16_engine_generates(model_dir: Path) -> None:
     engine = LLMEngine(model_dir, num_blocks=8, dtype="bfloat16")
     assert engine.kv_pool.data.dtype == torch.bfloat16
     assert len(generate(engine, random_prompt(20, seed=6), GREEDY)) == 8
+
+
+def test_more_work_than_the_pool_holds_waits_and_frees_every_block(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=12, block_size=16, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="needs 13 KV blocks but the pool has 12"):
+        engine.add_request("never-fits", random_prompt(200, seed=0), GREEDY)
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 150, (16,), generator=rng).tolist()
+    prompts = {f"r{i}": random_prompt(n, seed=30 + i) for i, n in enumerate(lengths)}
+    for rid, prompt in prompts.items():  # together about 8x what the pool holds
+        engine.add_request(rid, prompt, GREEDY, prefill_only=rid in ("r3", "r7"))
+    tokens: dict[str, list[int]] = {}
+    for step in range(1000):
+        if step == 3:
+            assert engine.scheduler.running[0].request_id == "r0" and engine.scheduler.waiting[-1].request_id == "r15"
+            engine.abort("r0")  # running
+            engine.abort("r15")  # still waiting
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished and out.block_ids:
+                engine.release(out.request_id)  # a prefill-only request after its KV was sent
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.num_free_blocks == 12 and not engine.scheduler.held
+    expected_len = {rid: 1 if rid in ("r3", "r7") else GREEDY.max_tokens for rid in prompts}
+    assert {rid: len(t) for rid, t in tokens.items() if rid not in ("r0", "r15")} == {
+        rid: n for rid, n in expected_len.items() if rid not in ("r0", "r15")
+    }
+    roomy = LLMEngine(model_dir, num_blocks=64)
+    assert tokens["r9"] == generate(roomy, prompts["r9"], GREEDY)  # pressure and eviction change nothing

@@ -10,6 +10,14 @@ single (address, length) pair::
     | layer 0: K[block_size, H, D] | V[block_size, H, D] | layer 1: K | V | ... | layer L-1: K | V |
 
     block_address(b) = base_address + b * bytes_per_block
+
+fp8 KV (``dtype=torch.float8_e4m3fn``): values are stored unscaled (an implicit
+per-tensor scale of 1.0, vLLM's default when a checkpoint has no calibrated
+scales), saturated at +-448. e4m3's relative precision (3 mantissa bits) is the
+same anywhere in its normal range [2**-6, 448], where Llama-family K/V activations
+lie, so a scale would buy little accuracy; without one a block stays plain fp8
+bytes with no side metadata, and a transfer engine copies it unchanged. Reads
+convert back to the model dtype, so attention computes in the model dtype.
 """
 
 import torch
@@ -79,6 +87,9 @@ class KVPool:
     ) -> None:
         """Write K and V ``[T, H_kv, D]`` of ``T`` tokens into their (block, offset) slots of one layer."""
         layer = self.data[:, layer_idx]
+        if self.data.dtype == torch.float8_e4m3fn:
+            limit = torch.finfo(torch.float8_e4m3fn).max
+            k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)
         layer[slot_blocks, 0, slot_offsets] = k.to(self.data.dtype)
         layer[slot_blocks, 1, slot_offsets] = v.to(self.data.dtype)
 

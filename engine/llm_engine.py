@@ -37,6 +37,8 @@ class EngineStats:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "fp8": KV stored as float8 e4m3 (see engine/kv_pool.py for the scaling choice), computed in the model dtype.
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 class LLMEngine:
@@ -53,17 +55,23 @@ class LLMEngine:
         max_num_seqs: int = 256,
         enable_prefix_caching: bool = True,
         dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        """Load the checkpoint; size the pool by ``num_blocks``, else ``kv_cache_bytes``, else 512 MiB."""
+        """Load the checkpoint; size the pool by ``num_blocks``, else ``kv_cache_bytes``, else 512 MiB.
+
+        ``kv_cache_dtype`` is "auto" (KV in the model ``dtype``) or "fp8" (float8 e4m3: a quarter of
+        float32's KV bytes, half of bfloat16's).
+        """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        kv_dtype = _KV_CACHE_DTYPES[kv_cache_dtype] or _DTYPES[dtype]
         if num_blocks is None and kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
         self.config, state = load_checkpoint(model_dir)
         model = CausalLM.from_state_dict(self.config, state, _DTYPES[dtype])
-        self.kv_pool = KVPool(
-            self.config, block_size, _DTYPES[dtype], num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes
-        )
+        self.kv_pool = KVPool(self.config, block_size, kv_dtype, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes)
         self.block_manager = BlockManager(self.kv_pool.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

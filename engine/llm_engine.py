@@ -3,7 +3,9 @@
 ``step()`` reads like the algorithm: schedule, run the model, sample, update.
 Besides plain requests it supports both halves of prefill/decode disaggregation:
 ``prefill_only`` requests finish after their first token and hold their KV blocks
-until ``release``; on the decode side ``reserve`` sets blocks aside for KV that
+until ``release`` (before that, each prefill chunk reports progress: the blocks
+whose KV is computed so far, for chunk-level KV streaming; see ``StepOutput``);
+on the decode side ``reserve`` sets blocks aside for KV that
 arrives from another process, and ``add_prefilled_request`` decodes from them.
 """
 
@@ -20,7 +22,7 @@ from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
 from engine.request import Request
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, chosen_logprobs, sample
 from engine.scheduler import Scheduler
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
@@ -105,7 +107,8 @@ class LLMEngine:
         rows = batch.sample_rows()
         requests = [batch.requests[row] for row in rows]
         tokens = sample(logits[rows], [r.params for r in requests], [len(r.output_token_ids) for r in requests])
-        return self.scheduler.update(batch, dict(zip(rows, tokens, strict=True)))
+        logprobs = chosen_logprobs(logits[rows], tokens, [r.params.logprobs for r in requests])
+        return self.scheduler.update(batch, dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True)))
 
     def stats(self) -> EngineStats:
         """Load and prefix-cache counters."""

@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False  # report the log-probability of each chosen token
 
     def __post_init__(self) -> None:
         """Validate every field; raise ValueError naming the bad one."""
@@ -55,6 +56,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     return [
         greedy[b] if p.temperature == 0 else _sample_row(logits[b], p, output_indices[b]) for b, p in enumerate(params)
     ]
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[bool]) -> list[float | None]:
+    """Log-probability of ``tokens[b]`` under row ``b``'s raw distribution, or None where not wanted."""
+    if not any(wanted):
+        return [None] * len(tokens)
+    picked = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1))
+    return [float(lp) if w else None for lp, w in zip(picked.squeeze(1).tolist(), wanted, strict=True)]
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, index: int) -> int:

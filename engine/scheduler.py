@@ -102,14 +102,20 @@ class Scheduler:
             budget -= self._add_chunk(batch, request, budget)
         return batch if batch.requests else None
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[StepOutput]:
-        """Advance the batch's requests after the forward; ``sampled`` maps batch rows to new tokens."""
+    def update(self, batch: ScheduledBatch, sampled: dict[int, tuple[int, float | None]]) -> list[StepOutput]:
+        """Advance the batch's requests after the forward.
+
+        ``sampled`` maps batch rows to (new token, its logprob or None). Prefill-only
+        requests in the middle of their prompt report progress (see ``StepOutput``).
+        """
         outputs = []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
             request.num_computed_tokens += num_new
             self._commit_blocks(request)
             if row in sampled:
-                outputs.append(self._append_token(request, sampled[row]))
+                outputs.append(self._append_token(request, *sampled[row]))
+            elif request.prefill_only:
+                outputs.append(self._progress(request))
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
@@ -160,7 +166,20 @@ class Scheduler:
         manager.commit_full_blocks(request.block_table, hashes, request.token_ids, request.num_committed_blocks)
         request.num_committed_blocks = len(hashes)
 
-    def _append_token(self, request: Request, token_id: int) -> StepOutput:
+    def _progress(self, request: Request) -> StepOutput:
+        """A prefill-only request's chunk progress: the blocks holding its computed KV so far."""
+        num_blocks = -(-request.num_computed_tokens // self.block_manager.block_size)
+        return StepOutput(
+            request.request_id,
+            [],
+            False,
+            None,
+            request.num_cached_tokens,
+            request.block_table[:num_blocks],
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _append_token(self, request: Request, token_id: int, logprob: float | None = None) -> StepOutput:
         """Record a sampled token, finish the request if a stop condition holds, and report it."""
         request.output_token_ids.append(token_id)
         reason = self._finish_reason(request)
@@ -173,7 +192,16 @@ class Scheduler:
                 block_ids = list(request.block_table)
             else:
                 self.block_manager.free(request.block_table)
-        return StepOutput(request.request_id, [token_id], finished, reason, request.num_cached_tokens, block_ids)
+        return StepOutput(
+            request.request_id,
+            [token_id],
+            finished,
+            reason,
+            request.num_cached_tokens,
+            block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            logprobs=[] if logprob is None else [logprob],
+        )
 
     def _finish_reason(self, request: Request) -> str | None:
         """Return "stop", "length" or None for a request whose last output token was just added."""

@@ -6,6 +6,7 @@ import torch
 
 from engine.checkpoint import make_model
 from engine.llm_engine import LLMEngine
+from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 
 TINY_SHAPE = {
@@ -42,10 +43,10 @@ def prefill_then_decode(
 ) -> list[int]:
     """Run a request split across two engines, as a prefill and a decode worker would."""
     prefill.add_request(request_id, prompt, params, prefill_only=True)
-    outputs = [o for o in prefill.step() if o.request_id == request_id]
-    while not outputs:
-        outputs = [o for o in prefill.step() if o.request_id == request_id]
-    first = outputs[0]
+    outputs: list[StepOutput] = []
+    while not (outputs and outputs[-1].finished):  # chunk progress outputs come before the last one
+        outputs += [o for o in prefill.step() if o.request_id == request_id]
+    first = outputs[-1]
     assert first.finished and first.block_ids
     reserved = decode.reserve(request_id, len(prompt), params)
     assert reserved is not None

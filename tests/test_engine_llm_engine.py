@@ -143,3 +143,25 @@ def test_more_work_than_the_pool_holds_waits_and_frees_every_block(model_dir: Pa
     }
     roomy = LLMEngine(model_dir, num_blocks=64)
     assert tokens["r9"] == generate(roomy, prompts["r9"], GREEDY)  # pressure and eviction change nothing
+
+
+def test_prefill_only_reports_chunk_progress_for_kv_streaming(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=16, block_size=16, max_num_batched_tokens=20)
+    engine.add_request("p", random_prompt(70, seed=7), GREEDY, prefill_only=True)
+    engine.add_request("plain", random_prompt(70, seed=8), GREEDY)  # gets no progress outputs
+    progress, snapshots = [], []
+    while not progress or not progress[-1].finished:
+        for out in engine.step():
+            assert out.request_id == "p" or out.new_token_ids
+            if out.request_id == "p":
+                progress.append(out)
+                done = out.num_computed_tokens // 16
+                snapshots.append(engine.kv_pool.data[out.block_ids[:done]].clone())
+    *chunks, last = progress
+    assert [o.num_computed_tokens for o in chunks] == [20, 40, 60] and last.num_computed_tokens == 70
+    assert all(o.new_token_ids == [] and not o.finished and o.finish_reason is None for o in chunks)
+    assert [len(o.block_ids) for o in chunks] == [2, 3, 4] and len(last.block_ids) == 5
+    assert all(last.block_ids[: len(o.block_ids)] == o.block_ids for o in chunks)
+    assert len(last.new_token_ids) == 1 and last.finished
+    for out, snapshot in zip(progress, snapshots, strict=True):  # finished blocks never change afterwards
+        assert torch.equal(engine.kv_pool.data[out.block_ids[: len(snapshot)]], snapshot)

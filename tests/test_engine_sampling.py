@@ -78,3 +78,27 @@ def test_stop_token_and_eos(model_dir: Path) -> None:
         outs += engine.step()
     assert [t for o in outs for t in o.new_token_ids] == greedy[: greedy.index(stop_at) + 1]
     assert outs[-1].finish_reason == "stop"
+
+
+def test_logprobs_of_chosen_tokens(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=16)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("with", PROMPT, SamplingParams(**{**greedy.__dict__, "logprobs": True}))
+    engine.add_request("without", PROMPT, greedy)
+    engine.add_request("sampled", PROMPT, SamplingParams(**{**SEEDED.__dict__, "logprobs": True}))
+    outputs: dict[str, list[tuple[int, list[float]]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append((out.new_token_ids[0], out.logprobs))
+    assert all(lp == [] for _, lp in outputs["without"])
+    assert [t for t, _ in outputs["with"]] == [t for t, _ in outputs["without"]]
+    # The first token's logprob is that of the prompt's last position under the raw distribution.
+    full = LLMEngine(model_dir, num_blocks=16, max_num_batched_tokens=len(PROMPT))
+    full.add_request("ref", PROMPT, greedy)
+    scheduled = full.scheduler.schedule()
+    assert scheduled is not None
+    expected = torch.log_softmax(full.runner.run(scheduled)[0], -1)
+    first_token, (first_lp,) = outputs["with"][0]
+    assert first_lp == pytest.approx(float(expected.max())) and first_token == int(expected.argmax())
+    sampled = [lp for _, lps in outputs["sampled"] for lp in lps]
+    assert len(sampled) == SEEDED.max_tokens and all(lp <= 0 for lp in sampled)

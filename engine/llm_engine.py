@@ -10,6 +10,7 @@ arrives from another process, and ``add_prefilled_request`` decodes from them.
 """
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,6 +166,32 @@ class LLMEngine:
     def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """Return and clear the (stored, removed) block hashes since the last call."""
         return self.block_manager.pop_events()
+
+    def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """Hold the cached blocks of the longest leading run of ``block_hashes``, for a peer to read.
+
+        Block i holds ``token_ids[i*bs:(i+1)*bs]``; give the blocks back with ``unpin_blocks``.
+        """
+        return self.block_manager.match_prefix(block_hashes, token_ids)
+
+    def unpin_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop the references taken by ``pin_cached_blocks`` or ``allocate_blocks``."""
+        self.block_manager.free(block_ids)
+
+    def allocate_blocks(self, num_blocks: int) -> list[int] | None:
+        """Blocks to receive KV copied from a peer; None if too few are free."""
+        return self.block_manager.allocate(num_blocks)
+
+    def commit_imported_blocks(
+        self, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: Sequence[int]
+    ) -> None:
+        """Put blocks filled with a peer's KV into the prefix cache and drop the import's reference.
+
+        Block i holds ``token_ids[i*bs:(i+1)*bs]`` with hash ``block_hashes[i]``; the blocks stay
+        cached (and are announced as stored) until evicted.
+        """
+        self.block_manager.commit_full_blocks(block_ids, block_hashes, token_ids, 0)
+        self.block_manager.free(block_ids)
 
     def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """Reject duplicate ids and token ids outside the vocabulary."""

@@ -20,7 +20,7 @@ import grpc
 
 from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
-from scheduler.policy import DecodeCandidate, PrefillCandidate
+from scheduler.policy import DecodeCandidate, PrefillCandidate, Resident
 from services.registry import InstanceEvent
 
 log = logging.getLogger(__name__)
@@ -29,12 +29,22 @@ WORKER_ROLES = ("prefill", "decode", "colocated")
 
 @dataclass
 class Assignment:
-    """One request's footprint on an instance."""
+    """One request's footprint on an instance; times are ``time.monotonic()`` seconds."""
 
-    predicted_prefill_s: float
     assigned_at: float
+    predicted_prefill_s: float  # its own prefill time (on a prefill instance)
     context_tokens: int
     num_blocks: int
+    expected_join: float = 0.0  # when it should start decoding (assignment + predicted TTFT)
+    expected_decode_s: float = 0.0  # how long it should decode
+    decode_started: float | None = None
+
+    def resident(self, now: float) -> Resident:
+        """The request as part of a decode batch, relative to ``now``."""
+        join = max(1e-3, self.expected_join - now)  # not decoding yet, even if its prefill runs late
+        if self.decode_started is not None:
+            join = self.decode_started - now
+        return Resident(join, join + self.expected_decode_s, self.context_tokens)
 
 
 @dataclass
@@ -82,14 +92,12 @@ class InstanceView:
         """The instance as a prefill candidate."""
         return PrefillCandidate(self.instance_id, prefix_len, self.t_queue(now), self.prefill_model)
 
-    def decode_candidate(self) -> DecodeCandidate:
+    def decode_candidate(self, now: float) -> DecodeCandidate:
         """The instance as a decode candidate."""
-        used = sum(a.num_blocks for a in self.decoding.values())
         return DecodeCandidate(
             self.instance_id,
-            num_running=len(self.decoding),
-            total_context=sum(a.context_tokens for a in self.decoding.values()),
-            num_free_blocks=int(self.record["num_blocks"]) - used,
+            residents=tuple(a.resident(now) for a in self.decoding.values()),
+            num_free_blocks=int(self.record["num_blocks"]) - sum(a.num_blocks for a in self.decoding.values()),
             max_running=int(self.record["max_concurrent_requests"]),
             model=self.decode_model,
         )

@@ -32,11 +32,13 @@ from kvconductor.v1 import (
     kvmeta_pb2_grpc,
     prefill_pb2,
 )
-from scheduler.cost_model import TransferModel
-from scheduler.policy import Plan, Rejection, RequestShape, Slo, schedule
+from scheduler.cost_model import LinkModels, TransferModel
+from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
 from services.cluster_view import Assignment, ClusterView, InstanceView, request_blocks
-from services.config import Config
+from services.config import Config, WorkerConfig
+from services.decisions import DecisionLog, to_decision
 from services.detokenizer import Detokenizer
+from services.prediction_errors import PredictionErrors
 from services.rpc import RpcError, Service
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ class Job:
     sampling: common_pb2.SamplingParams
     stop: list[str]
     block_hashes: list[bytes] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
+    plan: Plan | None = None
+    decision: conductor_pb2.Decision | None = None
 
 
 @dataclass
@@ -61,17 +66,20 @@ class Piece:
     token_ids: list[int]
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     cached_tokens: int = 0
-    decision: conductor_pb2.Decision | None = None
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
-    """``Conductor.Generate`` and ``Conductor.GetStatus``."""
+    """``Conductor.Generate``, ``ExplainDecision`` and ``GetStatus``."""
 
     def __init__(self, config: Config, view: ClusterView, tokenizer: Tokenizer) -> None:
         self.config = config
         self.view = view
         self.tokenizer = tokenizer
-        self.send_model = TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps)
+        self.policy = ConductorPolicy(config.scheduler.policy_config())
+        self.links = LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps))
+        self.decisions = DecisionLog()
+        self.errors = PredictionErrors()
+        self.mean_output_tokens = 0.0  # moving average of completion lengths (0 = none seen yet)
 
     async def Generate(  # noqa: N802
         self, request: conductor_pb2.GenerateRequest, context: Any
@@ -80,13 +88,22 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         job = self._admit(request)
         disaggregated = self._use_disaggregated(request.deployment)
         pieces = self._disaggregated(job) if disaggregated else self._colocated(job)
-        async for response in self._relay(job, pieces):
+        async for response in self._relay(job, pieces, request.include_decision):
             yield response
+
+    async def ExplainDecision(  # noqa: N802
+        self, request: conductor_pb2.ExplainDecisionRequest, context: Any
+    ) -> conductor_pb2.Decision:
+        """The recorded decision of a recent request."""
+        decision = self.decisions.get(request.request_id)
+        if decision is None:
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"no decision recorded for request {request.request_id!r}")
+        return decision
 
     async def GetStatus(  # noqa: N802
         self, request: conductor_pb2.GetStatusRequest, context: Any
     ) -> conductor_pb2.GetStatusResponse:
-        """The instances being scheduled on and the Conductor's load bookkeeping."""
+        """The instances being scheduled on, the Conductor's load bookkeeping and prediction errors."""
         now = time.monotonic()
         instances = [
             conductor_pb2.InstanceStatus(
@@ -100,7 +117,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             )
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
         ]
-        return conductor_pb2.GetStatusResponse(instances=instances, model=self.config.model.name)
+        return conductor_pb2.GetStatusResponse(
+            instances=instances, model=self.config.model.name, prediction_errors=self.errors.summary()
+        )
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -176,47 +195,64 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return {m.instance_id: m.prefix_blocks * block_size for m in response.matches}
 
     async def _plan(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan:
+        """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
+        colocated = prefills is decodes
         prefix = await self._prefix_lens(job, prefills)
         now = time.monotonic()
-        record = (prefills or decodes)[0].record
+        record = prefills[0].record
         shape = RequestShape(
             num_prompt_tokens=len(job.prompt),
             num_blocks=request_blocks(len(job.prompt), job.sampling.max_tokens, int(record["block_size"])),
-            kv_bytes=-(-len(job.prompt) // int(record["block_size"])) * int(record["kv_layout"]["bytes_per_block"]),
+            block_size=int(record["block_size"]),
+            bytes_per_block=int(record["kv_layout"]["bytes_per_block"]),
         )
-        pool_cfg = self.config.prefill if decodes is not prefills else self.config.colocated
-        decode_cfg = self.config.decode if decodes is not prefills else self.config.colocated
-        slo = Slo(
-            pool_cfg.max_ttft_ms / 1e3,
-            decode_cfg.max_tbt_ms / 1e3,
-            self.config.scheduler.reject_on_slo_violation,
-        )
-        result = schedule(
+        ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
+        tbt_cfg: WorkerConfig = self.config.colocated if colocated else self.config.decode
+        slo = Slo(ttft_cfg.max_ttft_ms / 1e3, tbt_cfg.max_tbt_ms / 1e3, self.config.scheduler.reject_on_slo_violation)
+        outcome = self.policy.schedule(
             [v.prefill_candidate(prefix.get(v.instance_id, 0), now) for v in prefills],
-            [v.decode_candidate() for v in decodes],
+            [v.decode_candidate(now) for v in decodes],
             shape,
             slo,
-            self.send_model if decodes is not prefills else None,
+            None if colocated else self.links,
         )
-        if isinstance(result, Rejection):
-            log.info("request %s rejected: %s", job.request_id, result.reason)
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {result.reason}")
-        return result
+        job.decision = to_decision(job.request_id, self.policy.config.policy, outcome)
+        self.decisions.record(job.decision)
+        if isinstance(outcome, Rejection):
+            log.info("request %s rejected: %s", job.request_id, outcome.reason)
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
+        log.info("request %s: %s", job.request_id, outcome.reason)
+        job.plan = outcome
+        return outcome
+
+    def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
+        """Book the request's prefill work on p and its decode footprint on d."""
+        now = time.monotonic()
+        blocks = request_blocks(len(job.prompt), job.sampling.max_tokens, self.view.block_size())
+        expected_tokens = job.sampling.max_tokens
+        if self.mean_output_tokens:
+            expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
+        p.prefilling[job.request_id] = Assignment(now, plan.prefill.t_prefill, len(job.prompt), blocks)
+        d.decoding[job.request_id] = Assignment(
+            now, 0.0, len(job.prompt), blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt
+        )
+
+    def _release(self, job: Job, *instances: InstanceView) -> None:
+        for v in instances:
+            v.prefilling.pop(job.request_id, None)
+            v.decoding.pop(job.request_id, None)
 
     # -- the two serving paths -------------------------------------------------------------------
 
     async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
-        prefills, decodes = self.view.pool("prefill"), self.view.pool("decode")
-        plan = await self._plan(job, prefills, decodes)
+        plan = await self._plan(job, self.view.pool("prefill"), self.view.pool("decode"))
         p = self.view.instances[plan.prefill.instance_id]
         d = self.view.instances[plan.decode_instance]
-        decision = self._decision(plan, p, d)
-        blocks = request_blocks(len(job.prompt), job.sampling.max_tokens, self.view.block_size())
-        p.prefilling[job.request_id] = _assignment(plan.prefill.t_prefill, len(job.prompt), blocks)
-        d.decoding[job.request_id] = _assignment(0.0, len(job.prompt), blocks)
+        self._assign(job, plan, p, d)
         try:
-            first = await self._prefill_on(job, p, d)
-            yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens, decision=decision)
+            first = await self._prefill_on(job, plan, p, d)
+            _mark_decoding(d, job.request_id)
+            yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
             call = d.decode_stub.Decode(
                 decode_pb2.DecodeRequest(
                     request_id=job.request_id,
@@ -231,127 +267,121 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             finally:
                 call.cancel()
         finally:
-            p.prefilling.pop(job.request_id, None)
-            d.decoding.pop(job.request_id, None)
+            self._release(job, p, d)
 
-    async def _prefill_on(self, job: Job, p: InstanceView, d: InstanceView) -> prefill_pb2.PrefillResponse:
-        """Reserve on d, prefill on p into d's blocks; give the reservation back if prefill fails."""
+    async def _prefill_on(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> prefill_pb2.PrefillResponse:
+        """Reserve on d, prefill on p into d's blocks (copying KV first if planned); release d on failure."""
         reserved = await d.decode_stub.Reserve(
             decode_pb2.ReserveRequest(
                 request_id=job.request_id, num_prompt_tokens=len(job.prompt), sampling=job.sampling
             )
         )
-        try:
-            response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=job.request_id,
-                    prompt_token_ids=job.prompt,
-                    sampling=job.sampling,
-                    destination=reserved.target,
-                )
+        request = prefill_pb2.PrefillRequest(
+            request_id=job.request_id, prompt_token_ids=job.prompt, sampling=job.sampling, destination=reserved.target
+        )
+        source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
+        if source is not None:
+            request.copy_source.CopyFrom(
+                prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record["address"])
             )
+            request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
+        try:
+            response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(request)
         except BaseException:
             await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id))
             raise
         finally:
             p.prefilling.pop(job.request_id, None)
-        log.info(
-            "request %s: prefill %s (cached %d, computed %d, %.1f ms) -> %d KV bytes in %.1f ms -> decode %s",
-            job.request_id, p.instance_id, response.num_cached_tokens, response.num_computed_tokens,
-            response.prefill_seconds * 1e3, response.kv_bytes_sent, response.transfer_seconds * 1e3, d.instance_id,
-        )  # fmt: skip
+        self._learn(plan, p, d, response)
         return response
+
+    def _learn(self, plan: Plan, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
+        """Feed measured transfers to the link models and the prediction-error record; log the outcome."""
+        self.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
+        self.errors.record("kv_send", plan.prefill.t_send, r.transfer_seconds)
+        if r.copy_bytes:
+            self.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
+            self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)
+        copy = f", copied {r.copied_tokens} tokens in {r.copy_seconds * 1e3:.1f} ms" if r.copied_tokens else ""
+        note = f" ({r.copy_note})" if r.copy_note else ""
+        log.info(
+            "prefill %s: cached %d, computed %d in %.1f ms%s%s; %d KV bytes to %s in %.1f ms",
+            p.instance_id, r.num_cached_tokens, r.num_computed_tokens, r.prefill_seconds * 1e3, copy, note,
+            r.kv_bytes_sent, d.instance_id, r.transfer_seconds * 1e3,
+        )  # fmt: skip
 
     async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
         pool = self.view.pool("colocated")
         plan = await self._plan(job, pool, pool)
         c = self.view.instances[plan.prefill.instance_id]
-        decision = self._decision(plan, c, c)
-        blocks = request_blocks(len(job.prompt), job.sampling.max_tokens, self.view.block_size())
-        c.prefilling[job.request_id] = _assignment(plan.prefill.t_prefill, len(job.prompt), blocks)
-        c.decoding[job.request_id] = _assignment(0.0, len(job.prompt), blocks)
+        self._assign(job, plan, c, c)
         call = c.colocated_stub.Generate(
             colocated_pb2.ColocatedRequest(
                 request_id=job.request_id, prompt_token_ids=job.prompt, sampling=job.sampling
             )
         )
         try:
-            first = True
             async for chunk in call:
                 c.prefilling.pop(job.request_id, None)
-                yield Piece(
-                    list(chunk.token_ids),
-                    chunk.finish_reason,
-                    chunk.num_cached_tokens,
-                    decision if first else None,
-                )
-                first = False
+                _mark_decoding(c, job.request_id)
+                yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
         finally:
             call.cancel()
-            c.prefilling.pop(job.request_id, None)
-            c.decoding.pop(job.request_id, None)
-
-    def _decision(self, plan: Plan, p: InstanceView, d: InstanceView) -> conductor_pb2.Decision:
-        e = plan.prefill
-        others = ", ".join(f"{c.instance_id}={c.ttft * 1e3:.0f}ms" for c in plan.candidates)
-        reason = (
-            f"least predicted TTFT among prefill candidates ({others}); "
-            f"decode {d.instance_id} has the lowest predicted TBT ({plan.tbt * 1e3:.1f} ms)"
-        )
-        log.info("request routed: prefill %s, decode %s: %s", p.instance_id, d.instance_id, reason)
-        return conductor_pb2.Decision(
-            prefill_instance=p.instance_id,
-            decode_instance=d.instance_id,
-            t_queue_ms=e.t_queue * 1e3,
-            t_prefill_ms=e.t_prefill * 1e3,
-            t_transfer_ms=e.t_send * 1e3,
-            predicted_ttft_ms=e.ttft * 1e3,
-            predicted_tbt_ms=plan.tbt * 1e3,
-            prefix_len=e.prefix_len,
-            best_len=plan.best_len,
-            best_instance=plan.best_instance,
-            kv_copy=False,
-            reason=reason,
-        )
+            self._release(job, c)
 
     # -- relaying ----------------------------------------------------------------------------------
 
     async def _relay(
-        self, job: Job, pieces: AsyncGenerator[Piece, None]
+        self, job: Job, pieces: AsyncGenerator[Piece, None], include_decision: bool
     ) -> AsyncIterator[conductor_pb2.GenerateResponse]:
         detok = Detokenizer(self.tokenizer, job.stop)
         completion, cached = 0, 0
-        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        times: list[float] = []
         try:
             async for piece in pieces:
+                times.append(time.monotonic())
                 completion += len(piece.token_ids)
                 cached = max(cached, piece.cached_tokens)
                 text = detok.add(piece.token_ids)
                 finish = common_pb2.FINISH_REASON_STOP if detok.stopped else piece.finish_reason
                 final = finish != common_pb2.FINISH_REASON_UNSPECIFIED
-                if final:
-                    text += detok.flush()
-                yield conductor_pb2.GenerateResponse(
-                    request_id=job.request_id,
-                    token_ids=piece.token_ids,
-                    text=text,
-                    finish_reason=finish,
-                    decision=piece.decision,
-                    usage=conductor_pb2.Usage(
-                        prompt_tokens=len(job.prompt), completion_tokens=completion, cached_tokens=cached
-                    )
-                    if final
-                    else None,
+                response = conductor_pb2.GenerateResponse(
+                    request_id=job.request_id, token_ids=piece.token_ids, text=text + (detok.flush() if final else "")
                 )
+                if include_decision and len(times) == 1 and job.decision is not None:
+                    response.decision.CopyFrom(job.decision)
                 if final:
+                    response.finish_reason = finish
+                    response.usage.CopyFrom(
+                        conductor_pb2.Usage(
+                            prompt_tokens=len(job.prompt), completion_tokens=completion, cached_tokens=cached
+                        )
+                    )
+                yield response
+                if final:
+                    self._observe(job, times, completion)
                     return
         finally:
             await pieces.aclose()
         raise RpcError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")
 
+    def _observe(self, job: Job, times: list[float], completion_tokens: int) -> None:
+        """Record the request's real TTFT and TBT against the plan's predictions."""
+        if job.plan is None:
+            return
+        self.errors.record("ttft", job.plan.prefill.ttft, times[0] - job.arrived)
+        if len(times) > 2:
+            self.errors.record("tbt", job.plan.tbt, (times[-1] - times[1]) / (len(times) - 2))
+        weight = 0.05
+        self.mean_output_tokens = (1 - weight) * (
+            self.mean_output_tokens or completion_tokens
+        ) + weight * completion_tokens
 
-def _assignment(predicted_prefill_s: float, context: int, blocks: int) -> Assignment:
-    return Assignment(predicted_prefill_s, time.monotonic(), context, blocks)
+
+def _mark_decoding(v: InstanceView, request_id: str) -> None:
+    assignment = v.decoding.get(request_id)
+    if assignment is not None and assignment.decode_started is None:
+        assignment.decode_started = time.monotonic()
 
 
 def services(servicer: ConductorServicer) -> list[Service]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scheduler.policy import EARLY_REJECTION, POLICIES, PolicyConfig
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the section and key."""
@@ -132,8 +134,15 @@ class SchedulerConfig:
     # instance holds more; 1.2 copies only when the best holder has at least 20% more prefix; inf never
     # copies. The seed's example 0.8 therefore means "copy whenever the best match is longer".
     kv_cache_balancing_threshold: float = 1.2
+    # Beyond the paper: keep a copy plan only if it is predicted faster than recomputing those blocks.
+    compare_copy_with_recompute: bool = True
+    # "kvcache_centric" (Algorithm 1) or a baseline: "round_robin", "random", "least_loaded", "cache_aware".
+    policy: str = "kvcache_centric"
     estimate_model: str = "empirical"  # cost models fitted from measured runs
     reject_on_slo_violation: bool = True  # refuse requests whose predicted TTFT/TBT breaks the SLO
+    # "prediction": judge TBT on the decode load predicted for when the request's prefill ends;
+    # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
+    early_rejection: str = "prediction"
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -143,6 +152,18 @@ class SchedulerConfig:
             "must be > 0 (inf = never copy)",
         )
         _check(self.estimate_model == "empirical", "[scheduler] estimate_model", 'must be "empirical"')
+        _check(self.policy in POLICIES, "[scheduler] policy", f"must be one of {', '.join(POLICIES)}")
+        _check(
+            self.early_rejection in EARLY_REJECTION,
+            "[scheduler] early_rejection",
+            f"must be one of {', '.join(EARLY_REJECTION)}",
+        )
+
+    def policy_config(self) -> PolicyConfig:
+        """The policy's view of these keys."""
+        return PolicyConfig(
+            self.policy, self.kv_cache_balancing_threshold, self.compare_copy_with_recompute, self.early_rejection
+        )
 
 
 @dataclass

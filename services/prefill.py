@@ -2,7 +2,8 @@
 
 Per request::
 
-    add_request(prefill_only) -> engine computes the uncached blocks, samples token 0
+    [KV copy planned: pull the missing prefix blocks from the best holder, see services/kv_copy.py]
+    -> add_request(prefill_only) -> engine computes the uncached blocks, samples token 0
     -> transfer engine writes every prompt block (the last, partial one included) into the decode
        worker's reserved blocks -> release the blocks (they stay in the prefix cache) -> announce
        newly stored / evicted blocks to kvmeta -> reply with token 0
@@ -17,52 +18,45 @@ import asyncio
 import time
 from typing import Any
 
-from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
+from engine.block_hash import prefix_block_hashes
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.engine_loop import next_output
+from services.kv_copy import Exports, PrefixCopy, pull_prefix
 from services.rpc import Service
 from services.worker import Worker, sampling_from_proto
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    """``Prefill.Prefill``."""
+    """``Prefill.Prefill``, ``ExportBlocks`` and ``ReleaseBlocks``."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.exports = Exports(worker)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
-        """Compute the prompt, send its KV to the destination blocks, return the first token."""
+        """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""
         w, rid = self.worker, request.request_id
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
         destination = request.destination
-        num_blocks = w.num_kv_blocks(len(prompt))
-        bytes_per_block = w.engine.kv_pool.bytes_per_block
-        if len(destination.block_addresses) != num_blocks:
-            raise ValueError(
-                f"destination has {len(destination.block_addresses)} blocks, the prompt needs {num_blocks}"
-            )
-        if destination.bytes_per_block != bytes_per_block:
-            raise ValueError(
-                f"KV layout mismatch: destination blocks are {destination.bytes_per_block} bytes, "
-                f"ours {bytes_per_block}"
-            )
+        self._check_destination(destination, len(prompt))
         start = time.perf_counter()
         outputs = w.loop.open(rid)
         finished = False
         try:
-            await w.loop.call(lambda e: e.add_request(rid, prompt, params, prefill_only=True))
+            copy = await self._copy_prefix(request, prompt)
+            await w.loop.call(lambda e: self._add(e, rid, prompt, params, copy))
             out = await next_output(outputs)
             while not out.finished:  # chunked prefill may report progress before token 0
                 out = await next_output(outputs)
             finished = True
             prefill_seconds = time.perf_counter() - start
-            sources = [w.engine.kv_pool.block_address(b) for b in out.block_ids[:num_blocks]]
+            sources = [w.engine.kv_pool.block_address(b) for b in out.block_ids[: len(destination.block_addresses)]]
             result = await asyncio.to_thread(
-                w.transfer.write_blocks,
-                destination.transfer_endpoint,
-                sources,
-                list(destination.block_addresses),
-                bytes_per_block,
-            )
+                w.transfer.write_blocks, destination.transfer_endpoint, sources, list(destination.block_addresses),
+                destination.bytes_per_block,
+            )  # fmt: skip
         finally:
             w.loop.close(rid)
             await w.loop.call(lambda e: e.release(rid) if finished else e.abort(rid))
@@ -77,10 +71,68 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kv_blocks_sent=result.blocks,
             prefill_seconds=prefill_seconds,
             transfer_seconds=result.seconds,
+            copied_tokens=copy.num_copied * w.engine.kv_pool.block_size if copy else 0,
+            copy_bytes=copy.bytes if copy else 0,
+            copy_seconds=copy.seconds if copy else 0.0,
+            copy_note=copy.note if copy else "",
         )
 
+    async def ExportBlocks(  # noqa: N802
+        self, request: prefill_pb2.ExportBlocksRequest, context: Any
+    ) -> prefill_pb2.ExportBlocksResponse:
+        """Pin cached blocks for a peer to read."""
+        return await self.exports.export(request)
 
-def services(worker: Worker) -> list[Service]:
-    """Everything a prefill worker serves."""
-    prefill = Service("kvconductor.v1.Prefill", PrefillServicer(worker), prefill_pb2_grpc.add_PrefillServicer_to_server)
-    return [prefill, *worker.services()]
+    async def ReleaseBlocks(  # noqa: N802
+        self, request: prefill_pb2.ReleaseBlocksRequest, context: Any
+    ) -> prefill_pb2.ReleaseBlocksResponse:
+        """Unpin an export."""
+        return prefill_pb2.ReleaseBlocksResponse(released=await self.exports.release(request.export_id))
+
+    def _check_destination(self, destination: common_pb2.KVBlockTarget, num_prompt_tokens: int) -> None:
+        num_blocks = self.worker.num_kv_blocks(num_prompt_tokens)
+        if len(destination.block_addresses) != num_blocks:
+            raise ValueError(
+                f"destination has {len(destination.block_addresses)} blocks, the prompt needs {num_blocks}"
+            )
+        bytes_per_block = self.worker.engine.kv_pool.bytes_per_block
+        if destination.bytes_per_block != bytes_per_block:
+            raise ValueError(
+                f"KV layout mismatch: destination blocks are {destination.bytes_per_block} bytes, "
+                f"ours {bytes_per_block}"
+            )
+
+    async def _copy_prefix(self, request: prefill_pb2.PrefillRequest, prompt: list[int]) -> PrefixCopy | None:
+        """Pull the planned prefix blocks this worker lacks from the copy source."""
+        if not request.HasField("copy_source") or request.copy_num_blocks == 0:
+            return None
+        w = self.worker
+        block_size = w.engine.kv_pool.block_size
+        num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // block_size)
+        copy = PrefixCopy(prefix_block_hashes(prompt[: num_blocks * block_size], block_size))
+        await w.loop.call(lambda e: copy.prepare(e, prompt))
+        try:
+            await pull_prefix(w, copy, prompt, request.copy_source)
+        except BaseException:
+            await w.loop.call(lambda e: copy.abandon(e, prompt))
+            raise
+        return copy
+
+    @staticmethod
+    def _add(e: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, copy: PrefixCopy | None) -> None:
+        """Engine thread: cache copied blocks, add the request (it hits them), drop the copy's pins."""
+        if copy is None:
+            e.add_request(rid, prompt, params, prefill_only=True)
+            return
+        copy.finish(e, prompt)
+        try:
+            e.add_request(rid, prompt, params, prefill_only=True)
+        finally:
+            copy.unpin_held(e)
+
+
+def services(worker: Worker) -> tuple[list[Service], PrefillServicer]:
+    """Everything a prefill worker serves (and the servicer, whose expiry task the caller runs)."""
+    servicer = PrefillServicer(worker)
+    prefill = Service("kvconductor.v1.Prefill", servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)
+    return [prefill, *worker.services()], servicer

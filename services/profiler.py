@@ -1,14 +1,20 @@
 """The start-up profile: time real prefills and decode steps on this worker, fit the cost models.
 
 Runs before the worker registers, so the Conductor never schedules on an instance without a fitted
-model. Prompts are random token ids from a fixed seed; the profile takes about a second on the
-default model with one thread.
+model. Prompts are random token ids from a fixed seed. Each shape is timed ``REPEATS`` times and the
+fastest run kept, and workers on one host take turns (an exclusive lock file): profiles run at the same
+time on shared cores would measure each other, and the Conductor would then see differences between
+identical instances that are only noise. The profile takes a few seconds on the default model.
 """
 
 from __future__ import annotations
 
+import fcntl
+import math
 import random
+import tempfile
 import time
+from pathlib import Path
 
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
@@ -17,6 +23,8 @@ from scheduler.cost_model import DecodeModel, PrefillModel
 PREFILL_SHAPES = ((16, 0), (64, 0), (256, 0), (512, 0), (128, 256), (256, 512))  # (new, cached) tokens
 DECODE_SHAPES = ((1, 64), (1, 512), (4, 128), (8, 64), (8, 256))  # (batch, context per sequence)
 DECODE_STEPS = 4
+REPEATS = 3
+LOCK_PATH = Path(tempfile.gettempdir()) / "kvconductor-profile.lock"
 
 
 def _tokens(rng: random.Random, engine: LLMEngine, n: int) -> list[int]:
@@ -33,16 +41,18 @@ def profile_prefill(engine: LLMEngine, rng: random.Random) -> PrefillModel:
     samples: list[tuple[int, int, float]] = []
     greedy_one = SamplingParams(max_tokens=1)
     for i, (new, cached) in enumerate(PREFILL_SHAPES):
-        prefix = _tokens(rng, engine, cached)
-        if cached:
-            engine.add_request(f"profile-prefix-{i}", prefix, greedy_one)
+        fastest = math.inf
+        for r in range(REPEATS):
+            prefix = _tokens(rng, engine, cached)
+            if cached:
+                engine.add_request(f"profile-prefix-{i}-{r}", prefix, greedy_one)
+                _run_to_completion(engine)
+            engine.add_request(f"profile-prefill-{i}-{r}", prefix + _tokens(rng, engine, new), greedy_one)
+            start = time.perf_counter()
             _run_to_completion(engine)
-        rid = f"profile-prefill-{i}"
-        engine.add_request(rid, prefix + _tokens(rng, engine, new), greedy_one)
-        start = time.perf_counter()
-        _run_to_completion(engine)
+            fastest = min(fastest, time.perf_counter() - start)
         reused = cached if engine.block_manager.enable_prefix_caching else 0
-        samples.append((new + cached - reused, reused, time.perf_counter() - start))
+        samples.append((new + cached - reused, reused, fastest))
     return PrefillModel.fit(samples)
 
 
@@ -57,15 +67,24 @@ def profile_decode(engine: LLMEngine, rng: random.Random) -> DecodeModel:
         started: set[str] = set()
         while started != ids:  # prefill steps until every sequence has its first token
             started.update(out.request_id for out in engine.step())
-        for step in range(DECODE_STEPS):
+        steps = []
+        for _ in range(DECODE_STEPS):
             start = time.perf_counter()
             engine.step()
-            samples.append((batch, batch * (context + step + 1), time.perf_counter() - start))
+            steps.append(time.perf_counter() - start)
+        samples.append((batch, batch * (context + 1), min(steps)))
         _run_to_completion(engine)
     return DecodeModel.fit(samples)
 
 
 def profile_engine(engine: LLMEngine, seed: int = 0) -> tuple[PrefillModel, DecodeModel]:
-    """Fit both cost models on this engine."""
+    """Fit both cost models on this engine, alone on the host."""
     rng = random.Random(seed)
-    return profile_prefill(engine, rng), profile_decode(engine, rng)
+    with LOCK_PATH.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            engine.add_request("profile-warmup", _tokens(rng, engine, 64), SamplingParams(max_tokens=2))
+            _run_to_completion(engine)
+            return profile_prefill(engine, rng), profile_decode(engine, rng)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

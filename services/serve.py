@@ -69,7 +69,8 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
     worker.loop.start()
     background: list[asyncio.Task[None]] = []
     if role == "prefill":
-        services = prefill.services(worker)
+        services, prefiller = prefill.services(worker)
+        background.append(asyncio.create_task(prefiller.exports.expire()))
     elif role == "decode":
         services, decoder = decode.services(worker)
         background.append(asyncio.create_task(decoder.expire_reservations()))

@@ -82,6 +82,7 @@ def grpc_generate(cluster, prompt_ids, deployment, max_tokens=MAX_TOKENS, reques
         token_ids=conductor_pb2.TokenIds(ids=prompt_ids),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         deployment=deployment,
+        include_decision=True,
     )
     tokens, decision, usage = [], None, None
     with grpc.insecure_channel(cluster.conductor) as channel:
@@ -113,3 +114,17 @@ def bytes_per_block(cluster):
         status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
     record = json.loads(next(i.record_json for i in status.instances if i.role == "decode"))
     return record["kv_layout"]["bytes_per_block"]
+
+
+def kvmeta_matches(cluster, block_hashes):
+    """kvmeta's prefix match per instance, in blocks."""
+    from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
+    from services.registry import Registry
+
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        address = next(iter(registry.list("kvmeta").values()))["address"]
+    with grpc.insecure_channel(address) as channel:
+        reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(
+            kvmeta_pb2.MatchPrefixRequest(block_hashes=block_hashes), timeout=10
+        )
+    return {m.instance_id: m.prefix_blocks for m in reply.matches}

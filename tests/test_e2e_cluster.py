@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import helpers
@@ -11,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from engine.block_hash import prefix_block_hashes
 from engine.tokenizer import load_tokenizer
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
 
@@ -73,20 +76,51 @@ def test_disaggregated_output_equals_in_process_and_colocated(cluster, prompts, 
     assert sent == received == blocks * bytes_per_block
 
 
-def test_shared_prefix_is_reused_and_routed_to_its_holder(cluster):
+def test_shared_prefix_is_reused(cluster):
     rng = random.Random(11)
     prefix = [rng.randrange(256) for _ in range(320)]
     _, first, usage = helpers.grpc_generate(cluster, prefix + [1, 2, 3], conductor_pb2.DEPLOYMENT_DISAGGREGATED)
     assert usage.cached_tokens == 0
+    holder = first.prefill_instance
     for suffix in ([4, 5, 6, 7], [8, 9]):
         _, decision, usage = helpers.grpc_generate(cluster, prefix + suffix, conductor_pb2.DEPLOYMENT_DISAGGREGATED)
-        assert decision.prefill_instance == first.prefill_instance
         assert usage.cached_tokens == 320
         assert decision.prefix_len == 320
+        # Either the holder computes the rest, or another instance copies the prefix from it first.
+        assert (decision.prefill_instance, decision.copy_from) == (holder, "") or decision.copy_from == holder
     # Through REST the reuse shows in usage.prompt_tokens_details.cached_tokens.
     client = openai.OpenAI(base_url=cluster.rest, api_key="unused")
     reply = client.completions.create(model="tiny-llama", prompt=prefix + [9, 9], max_tokens=2, temperature=0)
     assert reply.usage.prompt_tokens_details.cached_tokens == 320
+
+
+def test_prefix_of_a_busy_holder_is_copied_to_another_worker(cluster, model_dir):
+    """Hot-spot replication: the holder is busy, so another prefill worker pulls the prefix's KV from it."""
+    rng = random.Random(23)
+    prefix = [rng.randrange(256) for _ in range(480)]
+    _, first, _ = helpers.grpc_generate(cluster, prefix + [1], conductor_pb2.DEPLOYMENT_DISAGGREGATED)
+    holder = first.prefill_instance
+    long_prompt = prefix + [rng.randrange(256) for _ in range(1500)]
+    prompt = prefix + [7, 7, 7]
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(helpers.grpc_generate, cluster, long_prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED)
+        time.sleep(0.15)  # the long request is on its way
+        tokens, decision, usage = helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED)
+        long_decision = busy.result()[1]
+    copied = [d for d in (long_decision, decision) if d.copy_from == holder]
+    assert copied, f"no copy: long request {long_decision.reason!r}; short request {decision.reason!r}"
+    assert copied[-1].prefill_instance != holder
+    assert usage.cached_tokens == 480
+    # The copied blocks are indexed under both instances now.
+    matches = helpers.kvmeta_matches(cluster, prefix_block_hashes(prefix, 16))
+    assert matches[holder] == 30 and matches[copied[-1].prefill_instance] == 30
+    # And the copy changed nothing in the output.
+    from engine.llm_engine import LLMEngine, generate
+    from engine.sampling import SamplingParams
+
+    engine = LLMEngine(model_dir, num_blocks=64)
+    expected = generate(engine, prompt, SamplingParams(max_tokens=helpers.MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert tokens == expected
 
 
 def test_rest_text_matches_the_tokens(cluster, model_dir):

@@ -1,0 +1,74 @@
+"""The Conductor's decision record: every scheduling decision as a ``Decision`` message, by request id.
+
+Kept for the most recent requests (accepted and rejected), so ``kvconductor explain REQUEST_ID`` and
+``Conductor.ExplainDecision`` can show the candidates' estimates, the choice and the reason.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvconductor.v1 import conductor_pb2
+from scheduler.policy import Plan, PrefillEstimate, Rejection
+
+
+def _candidate(e: PrefillEstimate) -> conductor_pb2.CandidateEstimate:
+    return conductor_pb2.CandidateEstimate(
+        instance_id=e.instance_id,
+        prefix_len=e.prefix_len,
+        copy_from=e.copy_from,
+        t_queue_ms=e.t_queue * 1e3,
+        t_transfer_ms=e.t_transfer * 1e3,
+        t_prefill_ms=e.t_prefill * 1e3,
+        t_send_ms=e.t_send * 1e3,
+        predicted_ttft_ms=e.ttft * 1e3,
+    )
+
+
+def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> conductor_pb2.Decision:
+    """The message form of a plan or a rejection."""
+    plan = outcome if isinstance(outcome, Plan) else outcome.plan
+    decision = conductor_pb2.Decision(
+        request_id=request_id, policy=policy, rejected=isinstance(outcome, Rejection), reason=outcome.reason
+    )
+    if plan is None:
+        return decision
+    e = plan.prefill
+    decision.MergeFrom(
+        conductor_pb2.Decision(
+            prefill_instance=e.instance_id,
+            decode_instance=plan.decode_instance,
+            prefix_len=e.prefix_len,
+            best_len=plan.best_len,
+            best_instance=plan.best_instance,
+            copy_from=e.copy_from,
+            copy_tokens=e.copy_tokens,
+            t_queue_ms=e.t_queue * 1e3,
+            t_transfer_ms=e.t_transfer * 1e3,
+            t_prefill_ms=e.t_prefill * 1e3,
+            t_send_ms=e.t_send * 1e3,
+            predicted_ttft_ms=e.ttft * 1e3,
+            predicted_tbt_ms=plan.tbt * 1e3,
+            candidates=[_candidate(c) for c in plan.candidates],
+        )
+    )
+    return decision
+
+
+class DecisionLog:
+    """The last ``capacity`` decisions, by request id."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._decisions: OrderedDict[str, conductor_pb2.Decision] = OrderedDict()
+
+    def record(self, decision: conductor_pb2.Decision) -> None:
+        """Remember a decision (the oldest is forgotten past capacity)."""
+        self._decisions[decision.request_id] = decision
+        self._decisions.move_to_end(decision.request_id)
+        while len(self._decisions) > self.capacity:
+            self._decisions.popitem(last=False)
+
+    def get(self, request_id: str) -> conductor_pb2.Decision | None:
+        """The decision for a request id, if still remembered."""
+        return self._decisions.get(request_id)

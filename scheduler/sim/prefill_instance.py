@@ -1,0 +1,105 @@
+"""A simulated prefill instance: a FIFO of prefill jobs over an LRU prefix cache.
+
+A job starts when the one before it ends. At its start the instance looks its prompt up in its own
+cache (blocks may have been evicted, or added, since the Conductor planned); if the plan copies KV it
+first pulls the missing prefix from the best holder (``T_transfer``), then computes the rest in chunks
+of at most ``chunk_tokens`` with the profile's ``PrefillModel`` (each chunk pays the fixed cost c0 and
+attends to everything before it). At the end it stores the prompt's full blocks (copied ones too: that
+is the hot-spot replication of Algorithm 1) and its KV leaves for the decode instance.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler.cost_model import PrefillModel
+from scheduler.policy import RequestShape
+from scheduler.sim.booking import Bookings
+from scheduler.sim.metrics import RequestRecord
+from scheduler.sim.prefix_cache import PrefixCache
+from scheduler.sim.profiles import Profile
+from scheduler.sim.trace import TraceRequest
+
+
+def chunked_prefill_s(model: PrefillModel, new_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
+    """Seconds to compute ``new_tokens`` after ``cached_tokens``, in chunks of at most ``chunk_tokens``."""
+    total = 0.0
+    done = 0
+    while done < new_tokens:
+        n = min(chunk_tokens, new_tokens - done)
+        total += model.predict(n, cached_tokens + done)
+        done += n
+    return total
+
+
+@dataclass
+class PrefillJob:
+    """One admitted request's prefill, as planned."""
+
+    request: TraceRequest
+    record: RequestRecord
+    shape: RequestShape
+    submitted: float
+    plan_prefix: int  # tokens the plan reuses (best_len when it copies)
+    copies: bool  # the plan copies KV from another instance
+    decode_instance: str
+
+    def start(self, cache: PrefixCache, block_size: int, now: float) -> int:
+        """Look the prompt up at start time; record local and copied tokens; return the reused tokens."""
+        own = self.shape.usable_prefix(cache.match(self.request.full_blocks) * block_size)
+        prefix = own
+        if self.copies and self.plan_prefix > own:
+            prefix = self.plan_prefix
+            self.record.copied_tokens = prefix - own
+            self.record.copy_bytes = self.shape.kv_bytes(prefix - own)
+        self.record.local_tokens = own
+        return prefix
+
+
+class PrefillInstance:
+    """FIFO prefill worker; the simulator schedules an event at each job's end."""
+
+    def __init__(self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache) -> None:
+        self.instance_id = instance_id
+        self.profile = profile
+        self.block_size = block_size
+        self.cache = cache
+        self.bookings = Bookings()
+        self.queue: deque[PrefillJob] = deque()
+        self.running: PrefillJob | None = None
+        self.queued_new_tokens = 0  # tokens the plans say must be computed, over queued and running jobs
+        self.busy_s = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running here."""
+        return len(self.queue) + (self.running is not None)
+
+    def submit(self, job: PrefillJob, now: float) -> float | None:
+        """Queue a job; returns its end time when it starts at once."""
+        self.queue.append(job)
+        self.queued_new_tokens += job.shape.num_prompt_tokens - job.plan_prefix
+        return self._start(now) if self.running is None else None
+
+    def finish(self, now: float) -> tuple[PrefillJob, float | None]:
+        """The running job ends now: store its blocks, start the next; returns (job, next end or None)."""
+        job = self.running
+        if job is None:
+            raise RuntimeError(f"{self.instance_id} has no running prefill")
+        self.cache.store(job.request.full_blocks)
+        self.bookings.remove(job.record.request_id)
+        self.queued_new_tokens -= job.shape.num_prompt_tokens - job.plan_prefix
+        self.running = None
+        return job, self._start(now) if self.queue else None
+
+    def _start(self, now: float) -> float:
+        job = self.queue.popleft()
+        self.running = job
+        prefix = job.start(self.cache, self.block_size, now)
+        n = job.shape.num_prompt_tokens
+        duration = self.profile.link.predict(job.record.copy_bytes) + chunked_prefill_s(
+            self.profile.prefill, n - prefix, prefix, self.profile.chunk_tokens
+        )
+        self.busy_s += duration
+        return now + duration

@@ -1,0 +1,304 @@
+"""The event loop: requests arrive, the live policy plans them, simulated instances run the plans.
+
+Per arrival the simulator does what the live Conductor does (services/conductor.py ``_plan`` and
+``_assign``): match the prompt's block hashes in the global ``KVIndex``, build one ``PrefillCandidate``
+per prefill instance and one ``DecodeCandidate`` per decode instance from its bookings, call
+``ConductorPolicy.schedule``, and book the plan. Peers' rules (``dynamo``, ``sglang``) pick the prefill
+instance first and pass only that candidate to the same ``schedule`` (as a no-copy baseline), so decode
+choice and admission are ours. ``colocated`` runs the same policy over colocated instances with no
+transfer links, and the request runs wholly on the chosen prefill instance, as in the live colocated
+path.
+
+Events: arrivals, prefill completions (PD), and load samples; decode and colocated instances advance
+lazily to each event's time before anyone looks at them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.cost_model import LinkModels
+from scheduler.kv_index import KVIndex
+from scheduler.policy import (
+    POLICIES,
+    ConductorPolicy,
+    DecodeCandidate,
+    Plan,
+    PolicyConfig,
+    PrefillCandidate,
+    Rejection,
+    RequestShape,
+    Slo,
+)
+from scheduler.sim.booking import Booking, request_blocks
+from scheduler.sim.decode_instance import DecodeInstance
+from scheduler.sim.metrics import RequestRecord
+from scheduler.sim.prefill_instance import PrefillInstance, PrefillJob
+from scheduler.sim.prefix_cache import PrefixCache
+from scheduler.sim.profiles import Profile
+from scheduler.sim.selectors import PEER_RULES, WorkerLoad, dynamo_select, sglang_select
+from scheduler.sim.trace import TraceRequest
+
+SIM_POLICIES = (*POLICIES, *PEER_RULES, "colocated")
+_PREFILL_DONE, _ARRIVAL, _SAMPLE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run."""
+
+    policy: str = "kvcache_centric"
+    num_prefill: int = 10
+    num_decode: int = 6  # colocated runs num_prefill + num_decode colocated instances
+    block_size: int = 512
+    max_ttft: float = 30.0
+    max_tbt: float = 0.3
+    reject: bool = False  # SLO admission (rejections for lack of decode memory happen regardless)
+    early_rejection: str = "prediction"
+    kv_cache_balancing_threshold: float = 1.2
+    compare_copy_with_recompute: bool = True
+    seed: int = 0
+    sample_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in SIM_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SIM_POLICIES)}, got {self.policy!r}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("num_prefill and num_decode must be at least 1")
+
+    @property
+    def colocated(self) -> bool:
+        """Whether instances do both prefill and decode."""
+        return self.policy == "colocated"
+
+    @property
+    def live_policy(self) -> str:
+        """The ``PolicyConfig.policy`` the run calls."""
+        if self.policy in POLICIES:
+            return self.policy
+        return "kvcache_centric" if self.colocated else "least_loaded"  # one candidate: any baseline keeps it
+
+
+@dataclass
+class SimResult:
+    """Records and logs of a finished run."""
+
+    config: SimConfig
+    records: list[RequestRecord]
+    step_logs: dict[str, np.ndarray]
+    samples: list[dict[str, float]]
+    policy_calls: int
+    instance_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class Simulator:
+    """One run of one policy over one trace."""
+
+    def __init__(self, config: SimConfig, profile: Profile, requests: Sequence[TraceRequest]) -> None:
+        self.config = config
+        self.profile = profile
+        self.requests = requests
+        self.records = [
+            RequestRecord(r.request_id, r.arrival, r.num_prompt_tokens, r.num_output_tokens) for r in requests
+        ]
+        self.index = KVIndex()
+        self.links = LinkModels(profile.link)
+        self.policy = ConductorPolicy(
+            PolicyConfig(
+                config.live_policy,
+                config.kv_cache_balancing_threshold,
+                config.compare_copy_with_recompute,
+                config.early_rejection,
+            ),
+            seed=config.seed,
+        )
+        self.slo = Slo(config.max_ttft, config.max_tbt, config.reject)
+        self._rng = random.Random(config.seed)
+        self._build_instances()
+        self._events: list[tuple[float, int, int, int]] = []  # (time, kind, seq, argument)
+        self._seq = 0
+        self._mean_output = 0.0
+        self.policy_calls = 0
+        self.samples: list[dict[str, float]] = []
+
+    def _build_instances(self) -> None:
+        cfg, prof, bs = self.config, self.profile, self.config.block_size
+        cache_blocks = prof.prefill_cache_tokens // bs
+        self.prefills: list[PrefillInstance] = []
+        if cfg.colocated:
+            self.decodes = [
+                DecodeInstance(f"c{i}", prof, bs, self._finished, PrefixCache(f"c{i}", cache_blocks, self.index))
+                for i in range(cfg.num_prefill + cfg.num_decode)
+            ]
+        else:
+            self.prefills = [
+                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index))
+                for i in range(cfg.num_prefill)
+            ]
+            self.decodes = [DecodeInstance(f"d{i}", prof, bs, self._finished) for i in range(cfg.num_decode)]
+        self._decode_by_id = {d.instance_id: d for d in self.decodes}
+        self._prefill_index = {p.instance_id: i for i, p in enumerate(self.prefills)}
+
+    def _push(self, time: float, kind: int, argument: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time, kind, self._seq, argument))
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        """Replay every request; returns the records and logs."""
+        for i, r in enumerate(self.requests):
+            self._push(r.arrival, _ARRIVAL, i)
+        last_arrival = self.requests[-1].arrival if self.requests else 0.0
+        if self.config.sample_interval > 0:
+            self._push(0.0, _SAMPLE, 0)
+        arrived = 0
+        while self._events:
+            now, kind, _, arg = heapq.heappop(self._events)
+            if kind == _PREFILL_DONE:
+                self._prefill_done(now, arg)
+            elif kind == _ARRIVAL:
+                self._arrive(now, arg)
+                arrived += 1
+                if progress is not None and (arrived % 1000 == 0 or arrived == len(self.requests)):
+                    progress(arrived, len(self.requests))
+            else:
+                self._sample(now)
+                if now + self.config.sample_interval <= last_arrival:
+                    self._push(now + self.config.sample_interval, _SAMPLE, 0)
+        for d in self.decodes:
+            d.advance_to(math.inf)
+        return SimResult(
+            self.config,
+            self.records,
+            {d.instance_id: np.asarray(d.step_times) for d in self.decodes},
+            self.samples,
+            self.policy_calls,
+            self._instance_stats(),
+        )
+
+    def _arrive(self, now: float, i: int) -> None:
+        request, record = self.requests[i], self.records[i]
+        for d in self.decodes:
+            d.advance_to(now)
+        n, bs = request.num_prompt_tokens, self.config.block_size
+        shape = RequestShape(n, request_blocks(n, request.num_output_tokens, bs), bs, self.profile.bytes_per_block(bs))
+        outcome = self._decide(now, request, shape)
+        if isinstance(outcome, Rejection):
+            record.rejection = _rejection_kind(outcome.reason)
+            if outcome.plan is not None:
+                record.predicted_ttft, record.predicted_tbt = outcome.plan.prefill.ttft, outcome.plan.tbt
+            return
+        self._book(now, request, record, shape, outcome)
+
+    def _decide(self, now: float, request: TraceRequest, shape: RequestShape) -> Plan | Rejection:
+        pool = self.prefills or self.decodes
+        bs = self.config.block_size
+        match = self.index.match_prefix(request.block_hashes, [p.instance_id for p in pool]).prefix_blocks
+        model = self.profile.prefill
+        prefills = [
+            PrefillCandidate(p.instance_id, match.get(p.instance_id, 0) * bs, p.bookings.t_queue(now), model)
+            for p in pool
+        ]
+        decodes = [
+            DecodeCandidate(
+                d.instance_id,
+                d.bookings.residents(now),
+                d.capacity_blocks - d.bookings.num_blocks,
+                self.profile.max_running,
+                self.profile.decode,
+            )
+            for d in self.decodes
+        ]
+        if self.config.policy in PEER_RULES:
+            loads = {p.instance_id: WorkerLoad(p.in_flight, p.queued_new_tokens) for p in self.prefills}
+            if self.config.policy == "dynamo":
+                prefills = [dynamo_select(prefills, shape, loads, self._rng)]
+            else:
+                prefills = [sglang_select(prefills, shape, loads)]
+        self.policy_calls += 1
+        links = None if self.config.colocated else self.links
+        return self.policy.schedule(prefills, decodes, shape, self.slo, links)
+
+    def _book(self, now: float, request: TraceRequest, record: RequestRecord, shape: RequestShape, plan: Plan) -> None:
+        e = plan.prefill
+        decode_id = e.instance_id if self.config.colocated else plan.decode_instance
+        record.prefill_instance, record.decode_instance = e.instance_id, decode_id
+        record.predicted_ttft, record.predicted_tbt = e.ttft, plan.tbt
+        expected = request.num_output_tokens
+        if self._mean_output:
+            expected = min(expected, round(self._mean_output))
+        job = PrefillJob(request, record, shape, now, e.prefix_len, bool(e.copy_from), decode_id)
+        decode = self._decode_by_id[decode_id]
+        t_prefill = e.t_prefill if self.config.colocated else 0.0
+        decode.bookings.add(
+            record.request_id,
+            Booking(now, t_prefill, shape.num_prompt_tokens, shape.num_blocks, now + e.ttft, expected * plan.tbt),
+        )
+        if self.config.colocated:
+            decode.submit(job)
+            return
+        p = self._prefill_index[e.instance_id]
+        self.prefills[p].bookings.add(record.request_id, Booking(now, e.t_prefill, shape.num_prompt_tokens, 0))
+        end = self.prefills[p].submit(job, now)
+        if end is not None:
+            self._push(end, _PREFILL_DONE, p)
+
+    def _prefill_done(self, now: float, p: int) -> None:
+        job, next_end = self.prefills[p].finish(now)
+        if next_end is not None:
+            self._push(next_end, _PREFILL_DONE, p)
+        record = job.record
+        record.first_token = now + self.profile.link.predict(job.shape.kv_bytes(job.shape.num_prompt_tokens))
+        decode = self._decode_by_id[job.decode_instance]
+        decode.bookings.items[record.request_id].decode_started = record.first_token
+        if record.num_output_tokens > 1:
+            decode.join(record, record.first_token)
+        else:
+            self._finished(record, record.first_token)
+
+    def _finished(self, record: RequestRecord, now: float) -> None:
+        record.finish = now
+        self._decode_by_id[record.decode_instance].bookings.remove(record.request_id)
+        weight = 0.05  # the live Conductor's moving average of completion lengths
+        tokens = record.num_output_tokens
+        self._mean_output = (1 - weight) * (self._mean_output or tokens) + weight * tokens
+
+    def _sample(self, now: float) -> None:
+        for d in self.decodes:
+            d.advance_to(now)
+        pool = self.prefills or self.decodes
+        queue = [p.bookings.t_queue(now) for p in pool]
+        steps = [d.model.predict(d.batch, d.context) for d in self.decodes]
+        self.samples.append(
+            {
+                "time": now,
+                "prefill_t_queue_mean": float(np.mean(queue)),
+                "prefill_t_queue_max": float(np.max(queue)),
+                "decode_step_mean": float(np.mean(steps)),
+                "decode_step_max": float(np.max(steps)),
+                "decode_batch_mean": float(np.mean([d.batch for d in self.decodes])),
+            }
+        )
+
+    def _instance_stats(self) -> dict[str, dict[str, float]]:
+        stats: dict[str, dict[str, float]] = {}
+        for p in self.prefills:
+            stats[p.instance_id] = {"busy_s": p.busy_s, "cached_blocks": len(p.cache), "evicted": p.cache.evicted}
+        for d in self.decodes:
+            stats[d.instance_id] = {"decode_steps": len(d.step_times)}
+            if d.cache is not None:
+                stats[d.instance_id] |= {"cached_blocks": len(d.cache), "evicted": d.cache.evicted}
+        return stats
+
+
+def _rejection_kind(reason: str) -> str:
+    if reason.startswith("predicted TTFT"):
+        return "ttft"
+    if reason.startswith("predicted TBT"):
+        return "tbt"
+    return "capacity"

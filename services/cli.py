@@ -16,6 +16,7 @@ kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a gl
   kvconductor serve prefill --config C --id prefill-0   one process, for multi-machine deployments
   kvconductor status --config C                         instances, load and cost models
   kvconductor make-model --out models/tiny-llama        the small random-weight default model
+  kvconductor generate --model M --prompt "Hello"       one prompt through the engine in this process
 """
 
 
@@ -48,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-model", help="write the small random-weight default model (Hugging Face layout)")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+
+    gen = sub.add_parser("generate", help="run one prompt through the engine in this process (no cluster)")
+    gen.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model folder (Llama or Qwen2)")
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (tokenized without BOS)")
+    gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="temperature; 0 is greedy (default 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sample from the top tokens of mass P")
+    gen.add_argument("--seed", type=int, metavar="S", help="sampling seed: the same seed gives the same output")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    gen.add_argument("--json", action="store_true", help="print JSON: prompt and output token ids, text, finish reason")
     return parser
 
 
@@ -70,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             make_model(args.out, seed=args.seed)
             print(f"wrote {args.out}")
             return 0
+        if args.command == "generate":
+            from engine.generate_cli import main as generate_main
+
+            return generate_main(args)
         config = load_config(args.config, args.set)
         if args.command == "up":
             from services.launcher import up

@@ -1,0 +1,1 @@
+"""Benchmarks: the simulator's policy study (bench/sim) and the live serving benchmarks."""

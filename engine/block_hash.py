@@ -36,9 +36,17 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     """Return the chained hashes of every full block of ``token_ids`` (a partial tail is skipped)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    num_full = len(token_ids) // block_size * block_size
+    if num_full == 0:
+        return []
+    if min(token_ids[:num_full]) < 0 or max(token_ids[:num_full]) > _MAX_TOKEN_ID:
+        raise ValueError("token_ids must all fit in an unsigned 32-bit integer")
+    # Pack once and hash slices: the Conductor hashes every prompt, so this is on the request path.
+    payload = struct.pack(f"<{num_full}I", *token_ids[:num_full])
+    step = 4 * block_size
     hashes: list[bytes] = []
-    parent: bytes | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+    parent = _ROOT
+    for start in range(0, len(payload), step):
+        parent = hashlib.sha256(parent + payload[start : start + step]).digest()
         hashes.append(parent)
     return hashes

@@ -83,6 +83,9 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             eos_token_ids=self.config.eos_token_ids,
         )
+        # (new tokens, tokens already computed) of each sequence in the last step: what a worker needs to
+        # refine its cost models from the steps it times.
+        self.last_step: tuple[tuple[int, int], ...] = ()
         self.runner = ModelRunner(model, self.kv_pool)
         self._reserved: dict[str, list[int]] = {}
 
@@ -103,7 +106,11 @@ class LLMEngine:
         """Run one step (decode tokens and prefill chunks together); returns an output per request that got a token."""
         batch = self.scheduler.schedule()
         if batch is None:
+            self.last_step = ()
             return []
+        self.last_step = tuple(
+            (n, r.num_computed_tokens) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+        )
         logits = self.runner.run(batch)
         rows = batch.sample_rows()
         requests = [batch.requests[row] for row in rows]

@@ -25,11 +25,25 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
+def attention_work(new_tokens: int, cached_tokens: int) -> float:
+    """Token pairs the attention of ``new_tokens`` after ``cached_tokens`` visits: new * (cached + new / 2)."""
+    return new_tokens * (cached_tokens + new_tokens / 2)
+
+
 def _lstsq_nonneg(features: list[list[float]], seconds: Sequence[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: refit without the most negative term until none is."""
     if len(features) < len(features[0]):
         raise ValueError(f"need at least {len(features[0])} samples to fit, got {len(features)}")
-    coef, *_ = np.linalg.lstsq(np.asarray(features), np.asarray(seconds), rcond=None)
-    return [max(0.0, float(c)) for c in coef]
+    x, y = np.asarray(features), np.asarray(seconds)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if solution.min() >= 0:
+            coef[active] = solution
+            break
+        del active[int(solution.argmin())]
+    return [float(c) for c in coef]
 
 
 @dataclass(frozen=True)
@@ -44,12 +58,17 @@ class PrefillModel:
         """Predicted seconds to compute ``new_tokens`` after ``cached_tokens`` of reused KV."""
         if new_tokens <= 0:
             return 0.0
-        return self.c0 + self.c1 * new_tokens + self.c2 * new_tokens * (cached_tokens + new_tokens / 2)
+        return self.c0 + self.c1 * new_tokens + self.c2 * attention_work(new_tokens, cached_tokens)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> PrefillModel:
-        """Least-squares fit from (new_tokens, cached_tokens, seconds) samples."""
-        features = [[1.0, float(n), n * (c + n / 2)] for n, c, _ in samples]
+        """Least-squares fit from (new_tokens, cached_tokens, seconds) samples of single-request prefills."""
+        return cls.fit_work([(n, attention_work(n, c), s) for n, c, s in samples])
+
+    @classmethod
+    def fit_work(cls, samples: Sequence[tuple[int, float, float]]) -> PrefillModel:
+        """Least-squares fit from (new_tokens, attention_work, seconds) samples, e.g. of whole engine steps."""
+        features = [[1.0, float(n), float(w)] for n, w, _ in samples]
         return cls(*_lstsq_nonneg(features, [s for *_, s in samples]))
 
     def to_dict(self) -> dict[str, float]:

@@ -82,11 +82,12 @@ class KVIndex:
         if wanted:
             alive &= wanted
         matched: dict[str, int] = {}
+        empty: set[str] = set()
         for i, h in enumerate(block_hashes):
-            holders = self._holders.get(h, set())
-            for instance in [a for a in alive if a not in holders]:
-                matched[instance] = i
-                alive.discard(instance)
+            dropped = alive - self._holders.get(h, empty)
+            if dropped:
+                matched.update(dict.fromkeys(dropped, i))
+                alive -= dropped
             if not alive:
                 break
         for instance in alive:

@@ -27,13 +27,15 @@ T = TypeVar("T")
 class EngineLoop:
     """An engine thread plus the plumbing from its step outputs to asyncio queues."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self, engine: LLMEngine, on_step: Callable[[tuple[tuple[int, int], ...], float], None] | None = None
+    ) -> None:
         self.engine = engine
+        self.on_step = on_step  # called on the engine thread with each step's shape and duration
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._outputs: dict[str, asyncio.Queue[StepOutput | Exception]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.step_seconds_total = 0.0
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs."""
@@ -96,7 +98,9 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep the worker alive
             log.exception("engine step failed; aborting the requests in flight")
             outputs = e
-        self.step_seconds_total += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.on_step is not None and not isinstance(outputs, Exception):
+            self.on_step(self.engine.last_step, seconds)
         if self._aloop is not None:
             self._aloop.call_soon_threadsafe(self._dispatch, outputs)
 

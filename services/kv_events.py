@@ -31,12 +31,16 @@ class KvEventPublisher:
         self._resync = True
         self._channel: grpc.aio.Channel | None = None
 
-    async def publish(self, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
-        """Apply the delta locally and send it (or the full inventory after a gap)."""
+    async def publish(self, stored: Iterable[bytes], removed: Iterable[bytes], heartbeat: bool = False) -> None:
+        """Apply the delta locally and send it (or the full inventory after a gap).
+
+        An empty delta is sent only as a ``heartbeat``: it lets a restarted kvmeta, which no longer
+        knows this instance, ask for the inventory even while the worker is idle.
+        """
         stored, removed = list(stored), list(removed)
         self.inventory.difference_update(removed)
         self.inventory.update(stored)
-        if not stored and not removed and not self._resync:
+        if not stored and not removed and not self._resync and not heartbeat:
             return
         stub = await self._stub()
         if stub is None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from scheduler.cost_model import DecodeModel, PrefillModel
+from scheduler.cost_model import attention_work
+from services.cost_refiner import CostRefiner
 
 PREFILL_SHAPES = ((16, 0), (64, 0), (256, 0), (512, 0), (128, 256), (256, 512))  # (new, cached) tokens
 DECODE_SHAPES = ((1, 64), (1, 512), (4, 128), (8, 64), (8, 256))  # (batch, context per sequence)
@@ -36,9 +37,9 @@ def _run_to_completion(engine: LLMEngine) -> None:
         engine.step()
 
 
-def profile_prefill(engine: LLMEngine, rng: random.Random) -> PrefillModel:
+def profile_prefill(engine: LLMEngine, rng: random.Random) -> list[tuple[int, float, float]]:
     """Time prefills of several (new, cached) shapes; cached prefixes come from the prefix cache."""
-    samples: list[tuple[int, int, float]] = []
+    samples: list[tuple[int, float, float]] = []
     greedy_one = SamplingParams(max_tokens=1)
     for i, (new, cached) in enumerate(PREFILL_SHAPES):
         fastest = math.inf
@@ -52,11 +53,11 @@ def profile_prefill(engine: LLMEngine, rng: random.Random) -> PrefillModel:
             _run_to_completion(engine)
             fastest = min(fastest, time.perf_counter() - start)
         reused = cached if engine.block_manager.enable_prefix_caching else 0
-        samples.append((new + cached - reused, reused, fastest))
-    return PrefillModel.fit(samples)
+        samples.append((new + cached - reused, attention_work(new + cached - reused, reused), fastest))
+    return samples
 
 
-def profile_decode(engine: LLMEngine, rng: random.Random) -> DecodeModel:
+def profile_decode(engine: LLMEngine, rng: random.Random) -> list[tuple[int, int, float]]:
     """Time decode steps at several batch sizes and contexts."""
     samples: list[tuple[int, int, float]] = []
     for i, (batch, context) in enumerate(DECODE_SHAPES):
@@ -74,17 +75,17 @@ def profile_decode(engine: LLMEngine, rng: random.Random) -> DecodeModel:
             steps.append(time.perf_counter() - start)
         samples.append((batch, batch * (context + 1), min(steps)))
         _run_to_completion(engine)
-    return DecodeModel.fit(samples)
+    return samples
 
 
-def profile_engine(engine: LLMEngine, seed: int = 0) -> tuple[PrefillModel, DecodeModel]:
-    """Fit both cost models on this engine, alone on the host."""
+def profile_engine(engine: LLMEngine, seed: int = 0) -> CostRefiner:
+    """Profile this engine, alone on the host; the refiner holds the samples and fits the models."""
     rng = random.Random(seed)
     with LOCK_PATH.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             engine.add_request("profile-warmup", _tokens(rng, engine, 64), SamplingParams(max_tokens=2))
             _run_to_completion(engine)
-            return profile_prefill(engine, rng), profile_decode(engine, rng)
+            return CostRefiner(profile_prefill(engine, rng), profile_decode(engine, rng))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -67,7 +67,9 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
     registry = _registry(config)
     worker = build_worker(config, role, instance_id, registry)
     worker.loop.start()
-    background: list[asyncio.Task[None]] = []
+    background = [asyncio.create_task(worker.refine_cost_models())]
+    if role != "decode":  # decode workers do not cache prefixes
+        background.append(asyncio.create_task(worker.heartbeat_kv_events()))
     if role == "prefill":
         services, prefiller = prefill.services(worker)
         background.append(asyncio.create_task(prefiller.exports.expire()))

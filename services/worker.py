@@ -7,6 +7,7 @@ Transfer Engine, measures its own cost models, and then serves its role's RPCs p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.config import Config, WorkerConfig
+from services.cost_refiner import CostRefiner
 from services.engine_loop import EngineLoop
 from services.kv_events import KvEventPublisher
 from services.profiler import profile_engine
@@ -52,10 +54,12 @@ class Worker:
     transfer: KVTransferEngine
     registry: Registry
     events: KvEventPublisher
+    refiner: CostRefiner
     prefill_model: PrefillModel
     decode_model: DecodeModel
     counters: KvCounters = field(default_factory=KvCounters)
     num_reserved: Callable[[], int] = lambda: 0
+    address: str = ""  # set when the server is bound
 
     @property
     def engine(self) -> LLMEngine:
@@ -68,6 +72,7 @@ class Worker:
 
     def record(self, address: str) -> dict[str, Any]:
         """The etcd record describing this instance."""
+        self.address = address
         pool, model = self.engine.kv_pool, self.engine.config
         return {
             "role": self.role,
@@ -95,10 +100,26 @@ class Worker:
         """The Worker service every role serves."""
         return [Service("kvconductor.v1.Worker", WorkerServicer(self), worker_pb2_grpc.add_WorkerServicer_to_server)]
 
-    async def publish_kv_events(self) -> None:
+    async def publish_kv_events(self, heartbeat: bool = False) -> None:
         """Send the engine's stored/evicted block hashes to kvmeta."""
         stored, removed = await self.loop.call(lambda e: e.pop_kv_events())
-        await self.events.publish(stored, removed)
+        await self.events.publish(stored, removed, heartbeat)
+
+    async def heartbeat_kv_events(self, period_s: float = 2.0) -> None:
+        """Publish periodically, so kvmeta (re)learns this instance's blocks even when no request comes."""
+        while True:
+            await asyncio.sleep(period_s)
+            await self.publish_kv_events(heartbeat=True)
+
+    async def refine_cost_models(self, period_s: float = 5.0) -> None:
+        """Refit the cost models from timed steps and republish the record (runs for the worker's lifetime)."""
+        while True:
+            await asyncio.sleep(period_s)
+            models = self.refiner.refit()
+            if models is None or not self.address:
+                continue
+            self.prefill_model, self.decode_model = models
+            await asyncio.to_thread(self.registry.update, self.record(self.address))
 
     async def close(self) -> None:
         """Stop the engine thread and the event publisher."""
@@ -121,13 +142,14 @@ def build_worker(config: Config, role: str, instance_id: str, registry: Registry
     )
     transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
     transfer.register(engine.kv_pool.base_address, engine.kv_pool.nbytes)
-    prefill_model, decode_model = profile_engine(engine)
+    refiner = profile_engine(engine)
+    prefill_model, decode_model = refiner.fit()
     engine.pop_kv_events()  # the profile's blocks are not worth announcing
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
     return Worker(
-        role, instance_id, config, pool_config, EngineLoop(engine), transfer, registry, events,
-        prefill_model, decode_model,
+        role, instance_id, config, pool_config, EngineLoop(engine, on_step=refiner.observe), transfer, registry,
+        events, refiner, prefill_model, decode_model,
     )  # fmt: skip
 
 

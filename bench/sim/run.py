@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             reject=args.reject,
             kv_cache_balancing_threshold=args.threshold,
             seed=args.seed,
+            t_queue=args.t_queue,
         )
         for p in policies
     ]

@@ -5,6 +5,13 @@ cluster_view.py ``Assignment``): on a prefill instance the predicted prefill tim
 yet finished, on a decode instance each request's expected join time and decode duration. The policy's
 inputs (``T_queue``, the decode ``Resident``s, free blocks) are computed from these bookings with the
 same formulas, so that the simulated Conductor knows exactly as much as the live one.
+
+``T_queue`` has two estimators. ``live`` is services/cluster_view.py's formula: the predicted prefill
+time of every unfinished request minus the time since the oldest was *assigned*; under queueing the
+oldest has waited behind others, so it subtracts that wait too and underestimates the queue (a backlog
+of ten 1 s prefills, the oldest assigned 9 s ago and just started, reads as 1 s instead of 10 s).
+``started`` (the default, the paper's "sum of predicted prefill times of the work queued") subtracts
+only the time the running prefill has been running, which the worker reports with its load.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class Booking:
     expected_join: float = 0.0  # assignment + predicted TTFT
     expected_decode_s: float = 0.0  # expected output tokens x predicted TBT
     decode_started: float | None = None
+    prefill_started: float | None = None
 
     def resident(self, now: float) -> Resident:
         """The request as part of a decode batch, relative to ``now`` (as the live Conductor computes it)."""
@@ -40,10 +48,16 @@ class Booking:
         return Resident(join, join + self.expected_decode_s, self.context_tokens)
 
 
-class Bookings:
-    """An instance's bookings with the live Conductor's ``T_queue`` estimate."""
+T_QUEUE_ESTIMATORS = ("started", "live")
 
-    def __init__(self) -> None:
+
+class Bookings:
+    """An instance's bookings with the Conductor's ``T_queue`` estimate."""
+
+    def __init__(self, t_queue_estimator: str = "started") -> None:
+        if t_queue_estimator not in T_QUEUE_ESTIMATORS:
+            raise ValueError(f"t_queue estimator must be one of {', '.join(T_QUEUE_ESTIMATORS)}")
+        self.estimator = t_queue_estimator
         self.items: dict[int, Booking] = {}
         self.num_blocks = 0
         self._prefill_s = 0.0
@@ -68,12 +82,24 @@ class Bookings:
         if booking is not None:
             self.num_blocks -= booking.num_blocks
 
+    def prefill_started(self, request_id: int, now: float) -> None:
+        """The instance started this request's prefill (reported with its load)."""
+        booking = self.items.get(request_id)
+        if booking is not None:
+            booking.prefill_started = now
+
     def t_queue(self, now: float) -> float:
-        """Predicted seconds of prefill work ahead of a request arriving now (live formula)."""
-        pending = [b.assigned_at for b in self.items.values() if b.predicted_prefill_s]
+        """Predicted seconds of prefill work ahead of a request arriving now."""
+        pending = [b for b in self.items.values() if b.predicted_prefill_s]
         if not pending:
             return 0.0
-        return max(0.0, self._prefill_s - (now - min(pending)))
+        if self.estimator == "live":
+            return max(0.0, self._prefill_s - (now - min(b.assigned_at for b in pending)))
+        elapsed = 0.0
+        for b in pending:
+            if b.prefill_started is not None:
+                elapsed += min(now - b.prefill_started, b.predicted_prefill_s)
+        return max(0.0, self._prefill_s - elapsed)
 
     def residents(self, now: float) -> tuple[Resident, ...]:
         """The decode batch as the policy sees it."""

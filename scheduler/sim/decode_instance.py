@@ -50,13 +50,14 @@ class DecodeInstance:
         block_size: int,
         on_finish: Finished,
         cache: PrefixCache | None = None,
+        t_queue: str = "started",
     ) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.model = profile.decode
         self.capacity_blocks = profile.decode_kv_tokens // block_size
         self.block_size = block_size
-        self.bookings = Bookings()
+        self.bookings = Bookings(t_queue)
         self.cache = cache
         self.step_times: list[float] = []
         self.batch = 0
@@ -122,6 +123,7 @@ class DecodeInstance:
             job = self.prefill_queue.popleft()
             assert self.cache is not None  # only colocated instances take prefill jobs
             prefix = job.start(self.cache, self.block_size, start)
+            self.bookings.prefill_started(job.record.request_id, start)
             self._chunking = _Chunking(job, prefix)
         if self._chunking is None:
             return 0.0

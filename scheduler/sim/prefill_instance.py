@@ -60,12 +60,14 @@ class PrefillJob:
 class PrefillInstance:
     """FIFO prefill worker; the simulator schedules an event at each job's end."""
 
-    def __init__(self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache) -> None:
+    def __init__(
+        self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache, t_queue: str = "started"
+    ) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.block_size = block_size
         self.cache = cache
-        self.bookings = Bookings()
+        self.bookings = Bookings(t_queue)
         self.queue: deque[PrefillJob] = deque()
         self.running: PrefillJob | None = None
         self.queued_new_tokens = 0  # tokens the plans say must be computed, over queued and running jobs
@@ -96,6 +98,7 @@ class PrefillInstance:
     def _start(self, now: float) -> float:
         job = self.queue.popleft()
         self.running = job
+        self.bookings.prefill_started(job.record.request_id, now)
         prefix = job.start(self.cache, self.block_size, now)
         n = job.shape.num_prompt_tokens
         duration = self.profile.link.predict(job.record.copy_bytes) + chunked_prefill_s(

@@ -65,6 +65,7 @@ class SimConfig:
     compare_copy_with_recompute: bool = True
     seed: int = 0
     sample_interval: float = 10.0
+    t_queue: str = "started"  # T_queue estimator: "started" (paper) or "live" (services/cluster_view.py today)
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -133,12 +134,14 @@ class Simulator:
         self.prefills: list[PrefillInstance] = []
         if cfg.colocated:
             self.decodes = [
-                DecodeInstance(f"c{i}", prof, bs, self._finished, PrefixCache(f"c{i}", cache_blocks, self.index))
+                DecodeInstance(
+                    f"c{i}", prof, bs, self._finished, PrefixCache(f"c{i}", cache_blocks, self.index), cfg.t_queue
+                )
                 for i in range(cfg.num_prefill + cfg.num_decode)
             ]
         else:
             self.prefills = [
-                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index))
+                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index), cfg.t_queue)
                 for i in range(cfg.num_prefill)
             ]
             self.decodes = [DecodeInstance(f"d{i}", prof, bs, self._finished) for i in range(cfg.num_decode)]

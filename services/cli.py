@@ -14,7 +14,8 @@ kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a gl
 
   kvconductor up --config deploy/config.toml            whole local cluster (embedded etcd), until Ctrl-C
   kvconductor serve prefill --config C --id prefill-0   one process, for multi-machine deployments
-  kvconductor status --config C                         instances, load and cost models
+  kvconductor status --config C                         instances, load, cost models, prediction errors
+  kvconductor explain REQUEST_ID --config C             why the Conductor placed (or refused) a request
   kvconductor make-model --out models/tiny-llama        the small random-weight default model
   kvconductor generate --model M --prompt "Hello"       one prompt through the engine in this process
 """
@@ -45,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="instances, their load and their fitted cost models")
     _add_config_args(status)
+
+    explain = sub.add_parser("explain", help="the scheduling decision of a recent request: candidates and reason")
+    explain.add_argument("request_id", help="the request id (x-request-id, or the id in the response)")
+    _add_config_args(explain)
 
     make = sub.add_parser("make-model", help="write the small random-weight default model (Hugging Face layout)")
     make.add_argument("--out", required=True, help="output directory")
@@ -97,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             _setup_logging(config.telemetry.log_level, args.id)
             run(config, args.role, args.id)
             return 0
-        from services.status import print_status
+        from services.status import print_decision, print_status
 
+        if args.command == "explain":
+            return print_decision(config, args.request_id)
         return print_status(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""``kvconductor status``: the instances the Conductor schedules on, their load and cost models."""
+"""``kvconductor status`` and ``explain``: what the Conductor schedules on, and why it placed a request."""
 
 from __future__ import annotations
 
@@ -47,9 +47,43 @@ def print_status(config: Config) -> int:
     except grpc.RpcError as e:
         print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
         return 1
-    rows = [COLUMNS, *(_row(i) for i in status.instances)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
     print(f"model: {status.model}")
+    _table([COLUMNS, *(_row(i) for i in status.instances)])
+    if status.prediction_errors:
+        errors = ", ".join(
+            f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors
+        )
+        print(f"cost-model median relative error: {errors}")
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def print_decision(config: Config, request_id: str) -> int:
+    """Print one request's decision; 1 when it is unknown or the Conductor unreachable."""
+    try:
+        with grpc.insecure_channel(config.cluster.scheduler_endpoint) as channel:
+            d = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
+                conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=5.0
+            )
+    except grpc.RpcError as e:
+        print(f"no decision: {e.details() or e.code().name}")
+        return 1
+    verdict = "REJECTED" if d.rejected else f"prefill {d.prefill_instance} -> decode {d.decode_instance}"
+    print(f"request {d.request_id} ({d.policy}): {verdict}")
+    print(f"  {d.reason}")
+    print(f"  best_len {d.best_len} on {d.best_instance or '-'}; predicted TTFT {d.predicted_ttft_ms:.1f} ms, "
+          f"TBT {d.predicted_tbt_ms:.1f} ms")  # fmt: skip
+    header = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send", "TTFT (ms)")
+    rows = [
+        (c.instance_id, str(c.prefix_len), c.copy_from or "-", f"{c.t_queue_ms:.1f}", f"{c.t_transfer_ms:.1f}",
+         f"{c.t_prefill_ms:.1f}", f"{c.t_send_ms:.1f}", f"{c.predicted_ttft_ms:.1f}")
+        for c in d.candidates
+    ]  # fmt: skip
+    if rows:
+        _table([header, *rows])
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -197,3 +199,31 @@ def test_grpc_errors_have_status_codes(cluster):
             )
         assert vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "vocabulary" in vocab.value.details()
+
+
+def _cli(cluster, *args):
+    command = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        *args,
+        "--set",
+        f'cluster.scheduler_endpoint="{cluster.conductor}"',
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_explain_and_status_commands(cluster):
+    prompt = list(range(40, 140))
+    helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED, request_id="explain-me")
+    explained = _cli(cluster, "explain", "explain-me")
+    assert explained.returncode == 0, explained.stderr
+    assert "explain-me (kvcache_centric): prefill prefill-" in explained.stdout
+    assert "prefill-0" in explained.stdout and "prefill-1" in explained.stdout  # every candidate is listed
+    assert "T_queue" in explained.stdout and "TTFT" in explained.stdout
+    assert _cli(cluster, "explain", "never-sent").returncode == 1
+    status = _cli(cluster, "status")
+    assert status.returncode == 0, status.stderr
+    for instance in ("prefill-0", "prefill-1", "decode-0", "colocated-0"):
+        assert instance in status.stdout
+    assert "cost-model median relative error: ttft" in status.stdout

@@ -9,6 +9,7 @@ on the decode side ``reserve`` sets blocks aside for KV that
 arrives from another process, and ``add_prefilled_request`` decodes from them.
 """
 
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             eos_token_ids=self.config.eos_token_ids,
         )
+        # Guards the block manager between step()'s scheduling and update and the thread-safe pin/unpin.
+        self._cache_lock = threading.Lock()
         # (new tokens, tokens already computed) of each sequence in the last step: what a worker needs to
         # refine its cost models from the steps it times.
         self.last_step: tuple[tuple[int, int], ...] = ()
@@ -104,19 +107,21 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one step (decode tokens and prefill chunks together); returns an output per request that got a token."""
-        batch = self.scheduler.schedule()
+        with self._cache_lock:
+            batch = self.scheduler.schedule()
         if batch is None:
             self.last_step = ()
             return []
         self.last_step = tuple(
             (n, r.num_computed_tokens) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
         )
-        logits = self.runner.run(batch)
+        logits = self.runner.run(batch)  # without the lock: the model touches only blocks the batch holds
         rows = batch.sample_rows()
         requests = [batch.requests[row] for row in rows]
         tokens = sample(logits[rows], [r.params for r in requests], [len(r.output_token_ids) for r in requests])
         logprobs = chosen_logprobs(logits[rows], tokens, [r.params.logprobs for r in requests])
-        return self.scheduler.update(batch, dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True)))
+        with self._cache_lock:
+            return self.scheduler.update(batch, dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True)))
 
     def stats(self) -> EngineStats:
         """Load and prefix-cache counters."""
@@ -177,13 +182,16 @@ class LLMEngine:
     def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Hold the cached blocks of the longest leading run of ``block_hashes``, for a peer to read.
 
-        Block i holds ``token_ids[i*bs:(i+1)*bs]``; give the blocks back with ``unpin_blocks``.
+        Block i holds ``token_ids[i*bs:(i+1)*bs]``; give the blocks back with ``unpin_blocks``. Thread-safe:
+        another thread may call it while ``step`` runs the model, so an export never waits for a long step.
         """
-        return self.block_manager.match_prefix(block_hashes, token_ids)
+        with self._cache_lock:
+            return self.block_manager.match_prefix(block_hashes, token_ids)
 
     def unpin_blocks(self, block_ids: Sequence[int]) -> None:
-        """Drop the references taken by ``pin_cached_blocks`` or ``allocate_blocks``."""
-        self.block_manager.free(block_ids)
+        """Drop the references taken by ``pin_cached_blocks`` or ``allocate_blocks`` (thread-safe)."""
+        with self._cache_lock:
+            self.block_manager.free(block_ids)
 
     def allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Blocks to receive KV copied from a peer; None if too few are free."""

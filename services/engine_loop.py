@@ -60,6 +60,10 @@ class EngineLoop:
         self._commands.put(command)
         return await asyncio.wrap_future(future)
 
+    async def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run a thread-safe engine method now, from a worker thread, without waiting for the current step."""
+        return await asyncio.to_thread(fn, self.engine)
+
     def open(self, request_id: str) -> asyncio.Queue[StepOutput | Exception]:
         """A queue receiving every step output of ``request_id``."""
         if request_id in self._outputs:

@@ -11,6 +11,8 @@ The puller (the prefill worker the Conductor chose) and the exporter (the best h
 A copy that cannot happen (blocks evicted meanwhile, exporter unreachable, no free blocks) shrinks or
 is skipped: the request then computes what is missing, so a copy never fails a request. Exports are
 pinned for at most ``kv_transfer_timeout_s``, so a puller that dies cannot leak the exporter's blocks.
+The exporter pins and unpins without waiting for its engine's current step (a busy holder is exactly
+the one a copy is planned from).
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class Exports:
         hashes, tokens = list(request.block_hashes), list(request.token_ids)
         if len(tokens) != len(hashes) * self.worker.engine.kv_pool.block_size:
             raise ValueError("token_ids must hold exactly the requested blocks' tokens")
-        blocks = await self.worker.loop.call(lambda e: e.pin_cached_blocks(hashes, tokens))
+        blocks = await self.worker.loop.call_now(lambda e: e.pin_cached_blocks(hashes, tokens))
         export_id = uuid.uuid4().hex
         self._pinned[export_id] = (blocks, time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s)
         pool = self.worker.engine.kv_pool
@@ -159,7 +161,7 @@ class Exports:
         entry = self._pinned.pop(export_id, None)
         if entry is None:
             return False
-        await self.worker.loop.call(lambda e: e.unpin_blocks(entry[0]))
+        await self.worker.loop.call_now(lambda e: e.unpin_blocks(entry[0]))
         return True
 
     async def expire(self) -> None:

@@ -1,0 +1,1 @@
+"""Engine benchmark: prefill and decode throughput against transformers on the same checkpoint."""

@@ -46,7 +46,12 @@ _KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 class LLMEngine:
-    """Continuous-batching inference over a paged, prefix-cached KV pool."""
+    """Continuous-batching inference over a paged, prefix-cached KV pool.
+
+    Thread safety: one thread calls ``step()``; any other thread may call the other methods at any time,
+    even while ``step()`` runs the model, except ``abort()`` of a request that may be in the running
+    batch, which belongs between steps (on the stepping thread).
+    """
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class LLMEngine:
         block_size: int = 16,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
+        max_num_prefills: int | None = None,
         enable_prefix_caching: bool = True,
         dtype: str = "float32",
         kv_cache_dtype: str = "auto",
@@ -83,9 +89,11 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             eos_token_ids=self.config.eos_token_ids,
+            max_num_prefills=max_num_prefills,
         )
-        # Guards the block manager between step()'s scheduling and update and the thread-safe pin/unpin.
-        self._cache_lock = threading.Lock()
+        # Held by step() while it schedules and while it applies results, but not while the model runs, and by
+        # every other public method: any thread may call them without waiting for a long step.
+        self._lock = threading.RLock()
         # (new tokens, tokens already computed) of each sequence in the last step: what a worker needs to
         # refine its cost models from the steps it times.
         self.last_step: tuple[tuple[int, int], ...] = ()
@@ -101,13 +109,14 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool = False
     ) -> None:
         """Queue a request; raises ValueError if the prompt is empty, too long, or can never fit the pool."""
-        self._check_new(request_id, prompt_token_ids)
-        request = Request(request_id, list(prompt_token_ids), params.with_seed(), prefill_only)
-        self.scheduler.add(request)
+        with self._lock:
+            self._check_new(request_id, prompt_token_ids)
+            request = Request(request_id, list(prompt_token_ids), params.with_seed(), prefill_only)
+            self.scheduler.add(request)
 
     def step(self) -> list[StepOutput]:
         """Run one step (decode tokens and prefill chunks together); returns an output per request that got a token."""
-        with self._cache_lock:
+        with self._lock:
             batch = self.scheduler.schedule()
         if batch is None:
             self.last_step = ()
@@ -120,18 +129,19 @@ class LLMEngine:
         requests = [batch.requests[row] for row in rows]
         tokens = sample(logits[rows], [r.params for r in requests], [len(r.output_token_ids) for r in requests])
         logprobs = chosen_logprobs(logits[rows], tokens, [r.params.logprobs for r in requests])
-        with self._cache_lock:
+        with self._lock:
             return self.scheduler.update(batch, dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True)))
 
     def stats(self) -> EngineStats:
         """Load and prefix-cache counters."""
-        bm = self.block_manager
-        return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            prefix_cache_query_tokens=bm.num_hit_tokens + bm.num_miss_tokens,
-            prefix_cache_hit_tokens=bm.num_hit_tokens,
-        )
+        with self._lock:
+            bm = self.block_manager
+            return EngineStats(
+                num_waiting=len(self.scheduler.waiting),
+                num_running=len(self.scheduler.running),
+                prefix_cache_query_tokens=bm.num_hit_tokens + bm.num_miss_tokens,
+                prefix_cache_hit_tokens=bm.num_hit_tokens,
+            )
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting or running."""
@@ -139,23 +149,26 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request (waiting, running, held or reserved) and free its blocks; ignores unknown ids."""
-        self.scheduler.abort(request_id)
-        blocks = self._reserved.pop(request_id, None)
-        if blocks is not None:
-            self.block_manager.free(blocks)
+        with self._lock:
+            self.scheduler.abort(request_id)
+            blocks = self._reserved.pop(request_id, None)
+            if blocks is not None:
+                self.block_manager.free(blocks)
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished prefill-only request (after its KV was transferred)."""
-        self.scheduler.release(request_id)
+        with self._lock:
+            self.scheduler.release(request_id)
 
     def reserve(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
         """Allocate blocks for a whole request whose KV arrives from elsewhere; None if too few are free."""
-        if request_id in self._reserved:
-            raise ValueError(f"request {request_id!r} already has a reservation")
-        blocks = self.block_manager.allocate(self.scheduler.num_blocks_for(num_prompt_tokens, params, False))
-        if blocks is not None:
-            self._reserved[request_id] = blocks
-        return blocks
+        with self._lock:
+            if request_id in self._reserved:
+                raise ValueError(f"request {request_id!r} already has a reservation")
+            blocks = self.block_manager.allocate(self.scheduler.num_blocks_for(num_prompt_tokens, params, False))
+            if blocks is not None:
+                self._reserved[request_id] = blocks
+            return blocks
 
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
@@ -165,19 +178,21 @@ class LLMEngine:
         ``first_token_id`` is output index 0 (sampled by the prefill side). Returns the
         finished output if that token already ends the request, else None.
         """
-        blocks = self._reserved.get(request_id)
-        if blocks is None:
-            raise ValueError(f"request {request_id!r} has no reservation; call reserve() first")
-        if len(blocks) != self.scheduler.num_blocks_for(len(prompt_token_ids), params, False):
-            raise ValueError(f"prompt length {len(prompt_token_ids)} does not match the reservation")
-        del self._reserved[request_id]
-        request = Request(request_id, list(prompt_token_ids), params, block_table=blocks)
-        request.num_computed_tokens = len(prompt_token_ids)
-        return self.scheduler.add_running(request, first_token_id)
+        with self._lock:
+            blocks = self._reserved.get(request_id)
+            if blocks is None:
+                raise ValueError(f"request {request_id!r} has no reservation; call reserve() first")
+            if len(blocks) != self.scheduler.num_blocks_for(len(prompt_token_ids), params, False):
+                raise ValueError(f"prompt length {len(prompt_token_ids)} does not match the reservation")
+            del self._reserved[request_id]
+            request = Request(request_id, list(prompt_token_ids), params, block_table=blocks)
+            request.num_computed_tokens = len(prompt_token_ids)
+            return self.scheduler.add_running(request, first_token_id)
 
     def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """Return and clear the (stored, removed) block hashes since the last call."""
-        return self.block_manager.pop_events()
+        with self._lock:
+            return self.block_manager.pop_events()
 
     def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Hold the cached blocks of the longest leading run of ``block_hashes``, for a peer to read.
@@ -185,17 +200,18 @@ class LLMEngine:
         Block i holds ``token_ids[i*bs:(i+1)*bs]``; give the blocks back with ``unpin_blocks``. Thread-safe:
         another thread may call it while ``step`` runs the model, so an export never waits for a long step.
         """
-        with self._cache_lock:
+        with self._lock:
             return self.block_manager.match_prefix(block_hashes, token_ids)
 
     def unpin_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop the references taken by ``pin_cached_blocks`` or ``allocate_blocks`` (thread-safe)."""
-        with self._cache_lock:
+        with self._lock:
             self.block_manager.free(block_ids)
 
     def allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Blocks to receive KV copied from a peer; None if too few are free."""
-        return self.block_manager.allocate(num_blocks)
+        with self._lock:
+            return self.block_manager.allocate(num_blocks)
 
     def commit_imported_blocks(
         self, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: Sequence[int]
@@ -205,8 +221,9 @@ class LLMEngine:
         Block i holds ``token_ids[i*bs:(i+1)*bs]`` with hash ``block_hashes[i]``; the blocks stay
         cached (and are announced as stored) until evicted.
         """
-        self.block_manager.commit_full_blocks(block_ids, block_hashes, token_ids, 0)
-        self.block_manager.free(block_ids)
+        with self._lock:
+            self.block_manager.commit_full_blocks(block_ids, block_hashes, token_ids, 0)
+            self.block_manager.free(block_ids)
 
     def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """Reject duplicate ids and token ids outside the vocabulary."""

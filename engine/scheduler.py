@@ -9,6 +9,7 @@ request can be allocated, so decode never runs out of blocks and nothing is ever
 preempted. Admission is FIFO: the head of the queue is never skipped.
 """
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,10 +44,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         eos_token_ids: Sequence[int],
+        max_num_prefills: int | None = None,
     ) -> None:
-        """Create empty queues; limits must be positive."""
-        if min(max_model_len, max_num_batched_tokens, max_num_seqs) <= 0:
-            raise ValueError("max_model_len, max_num_batched_tokens and max_num_seqs must be positive")
+        """Create empty queues; limits must be positive.
+
+        ``max_num_prefills`` caps the requests whose prompt chunks share one step (None: as many as the
+        token budget holds). 1 runs prompts first come, first served, one at a time: a prompt's TTFT is
+        then its queue plus its own compute, not stretched by later prompts packed into its last step.
+        """
+        if min(max_model_len, max_num_batched_tokens, max_num_seqs, max_num_prefills or 1) <= 0:
+            raise ValueError("max_model_len, max_num_batched_tokens, max_num_seqs, max_num_prefills must be positive")
+        self.max_num_prefills = max_num_prefills
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -90,16 +98,18 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         decoding = [r for r in self.running if not r.is_prefilling]
-        prefilling = [r for r in self.running if r.is_prefilling]
+        prefilling = [r for r in self.running if r.is_prefilling][: self.max_num_prefills]
         for request in [*decoding, *prefilling]:
             if budget > 0:
                 budget -= self._add_chunk(batch, request, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        num_prefills, limit = len(prefilling), self.max_num_prefills or math.inf
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and num_prefills < limit:
             if not self._admit(self.waiting[0]):
                 break
             request = self.waiting.popleft()
             self.running.append(request)
             budget -= self._add_chunk(batch, request, budget)
+            num_prefills += 1
         return batch if batch.requests else None
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, tuple[int, float | None]]) -> list[StepOutput]:

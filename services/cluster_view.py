@@ -1,50 +1,27 @@
 """The Conductor's view of the cluster: instances from etcd, their cost models and the work it assigned.
 
 Records arrive from the registry watch (on its thread) and are applied on the event loop. Load is the
-Conductor's own bookkeeping of what it sent where, which is exact for the work it schedules:
-
-* a prefill instance's ``T_queue`` is the predicted prefill time still ahead of a new request: the
-  sum of predictions for requests in flight there, less the time the oldest has already run;
-* a decode instance's batch size, context and reserved blocks are those of its requests in flight.
+Conductor's own bookkeeping of what it sent where (``scheduler.booking``): T_queue of prefill work,
+the decode batch and the KV blocks reserved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
+from scheduler.booking import Bookings
 from scheduler.cost_model import DecodeModel, PrefillModel
-from scheduler.policy import DecodeCandidate, PrefillCandidate, Resident
+from scheduler.policy import DecodeCandidate, PrefillCandidate
 from services.registry import InstanceEvent
 
 log = logging.getLogger(__name__)
 WORKER_ROLES = ("prefill", "decode", "colocated")
-
-
-@dataclass
-class Assignment:
-    """One request's footprint on an instance; times are ``time.monotonic()`` seconds."""
-
-    assigned_at: float
-    predicted_prefill_s: float  # its own prefill time (on a prefill instance)
-    context_tokens: int
-    num_blocks: int
-    expected_join: float = 0.0  # when it should start decoding (assignment + predicted TTFT)
-    expected_decode_s: float = 0.0  # how long it should decode
-    decode_started: float | None = None
-
-    def resident(self, now: float) -> Resident:
-        """The request as part of a decode batch, relative to ``now``."""
-        join = max(1e-3, self.expected_join - now)  # not decoding yet, even if its prefill runs late
-        if self.decode_started is not None:
-            join = self.decode_started - now
-        return Resident(join, join + self.expected_decode_s, self.context_tokens)
 
 
 @dataclass
@@ -57,8 +34,8 @@ class InstanceView:
     channel: grpc.aio.Channel
     prefill_model: PrefillModel
     decode_model: DecodeModel
-    prefilling: dict[str, Assignment] = field(default_factory=dict)
-    decoding: dict[str, Assignment] = field(default_factory=dict)
+    prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
+    decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
 
     @property
     def prefill_stub(self) -> prefill_pb2_grpc.PrefillStub:
@@ -80,24 +57,16 @@ class InstanceView:
         """Stub of the Worker service."""
         return worker_pb2_grpc.WorkerStub(self.channel)
 
-    def t_queue(self, now: float) -> float:
-        """Predicted seconds of prefill work ahead of a request arriving now."""
-        if not self.prefilling:
-            return 0.0
-        total = sum(a.predicted_prefill_s for a in self.prefilling.values())
-        oldest = min(a.assigned_at for a in self.prefilling.values())
-        return max(0.0, total - (now - oldest))
-
     def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
         """The instance as a prefill candidate."""
-        return PrefillCandidate(self.instance_id, prefix_len, self.t_queue(now), self.prefill_model)
+        return PrefillCandidate(self.instance_id, prefix_len, self.prefilling.t_queue(now), self.prefill_model)
 
     def decode_candidate(self, now: float) -> DecodeCandidate:
         """The instance as a decode candidate."""
         return DecodeCandidate(
             self.instance_id,
-            residents=tuple(a.resident(now) for a in self.decoding.values()),
-            num_free_blocks=int(self.record["num_blocks"]) - sum(a.num_blocks for a in self.decoding.values()),
+            residents=self.decoding.residents(now),
+            num_free_blocks=int(self.record["num_blocks"]) - self.decoding.num_blocks,
             max_running=int(self.record["max_concurrent_requests"]),
             model=self.decode_model,
         )
@@ -160,8 +129,3 @@ class ClusterView:
     def block_size(self) -> int:
         """KV block size shared by the workers."""
         return next((int(v.record["block_size"]) for v in self.instances.values()), 16)
-
-
-def request_blocks(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """KV blocks a worker reserves for a whole request."""
-    return math.ceil((num_prompt_tokens + max_tokens) / block_size)

@@ -32,9 +32,10 @@ from kvconductor.v1 import (
     kvmeta_pb2_grpc,
     prefill_pb2,
 )
+from scheduler.booking import Booking, request_blocks
 from scheduler.cost_model import LinkModels, TransferModel
 from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
-from services.cluster_view import Assignment, ClusterView, InstanceView, request_blocks
+from services.cluster_view import ClusterView, InstanceView
 from services.config import Config, WorkerConfig
 from services.decisions import DecisionLog, to_decision
 from services.detokenizer import Detokenizer
@@ -112,7 +113,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 address=v.record["address"],
                 num_blocks=int(v.record["num_blocks"]),
                 num_running=len(v.decoding) + len(v.prefilling),
-                t_queue_ms=v.t_queue(now) * 1e3,
+                t_queue_ms=v.prefilling.t_queue(now) * 1e3,
                 record_json=json.dumps(v.record, sort_keys=True),
             )
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
@@ -232,15 +233,16 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         expected_tokens = job.sampling.max_tokens
         if self.mean_output_tokens:
             expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
-        p.prefilling[job.request_id] = Assignment(now, plan.prefill.t_prefill, len(job.prompt), blocks)
-        d.decoding[job.request_id] = Assignment(
-            now, 0.0, len(job.prompt), blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt
+        p.prefilling.add(job.request_id, Booking(now, plan.prefill.t_prefill, len(job.prompt), 0))
+        d.decoding.add(
+            job.request_id,
+            Booking(now, 0.0, len(job.prompt), blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt),
         )
 
     def _release(self, job: Job, *instances: InstanceView) -> None:
         for v in instances:
-            v.prefilling.pop(job.request_id, None)
-            v.decoding.pop(job.request_id, None)
+            v.prefilling.remove(job.request_id, time.monotonic())
+            v.decoding.remove(job.request_id, time.monotonic())
 
     # -- the two serving paths -------------------------------------------------------------------
 
@@ -291,7 +293,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id))
             raise
         finally:
-            p.prefilling.pop(job.request_id, None)
+            p.prefilling.prefill_done(job.request_id, time.monotonic())
         self._learn(plan, p, d, response)
         return response
 
@@ -322,7 +324,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )
         try:
             async for chunk in call:
-                c.prefilling.pop(job.request_id, None)
+                c.prefilling.prefill_done(job.request_id, time.monotonic())
                 _mark_decoding(c, job.request_id)
                 yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
         finally:
@@ -379,9 +381,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
 
 def _mark_decoding(v: InstanceView, request_id: str) -> None:
-    assignment = v.decoding.get(request_id)
-    if assignment is not None and assignment.decode_started is None:
-        assignment.decode_started = time.monotonic()
+    booking = v.decoding.items.get(request_id)
+    if booking is not None and booking.decode_started is None:
+        booking.decode_started = time.monotonic()
 
 
 def services(servicer: ConductorServicer) -> list[Service]:

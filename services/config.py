@@ -91,7 +91,7 @@ class WorkerConfig:
     max_ttft_ms: float = 2000.0  # TTFT SLO (prefill pool; colocated uses its own)
     max_tbt_ms: float = 200.0  # TBT SLO (decode pool; colocated uses its own)
     max_concurrent_requests: int = 64  # requests decoding at once per worker
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8 e4m3 (a quarter of fp32's bytes)
     min_mfu: float = 0.0  # accepted for seed compatibility; informational, not enforced on CPU
     torch_threads: int = 1  # torch intra-op threads per worker process
 
@@ -110,7 +110,7 @@ class WorkerConfig:
         _check(self.max_ttft_ms > 0, key + "max_ttft_ms", "must be > 0")
         _check(self.max_tbt_ms > 0, key + "max_tbt_ms", "must be > 0")
         _check(self.max_concurrent_requests >= 1, key + "max_concurrent_requests", "must be >= 1")
-        _check(self.kv_cache_dtype == "auto", key + "kv_cache_dtype", '"auto" is the only supported value yet')
+        _check(self.kv_cache_dtype in ("auto", "fp8"), key + "kv_cache_dtype", 'must be "auto" or "fp8"')
         _check(0 <= self.min_mfu <= 1, key + "min_mfu", "must be in [0, 1]")
         _check(1 <= self.torch_threads <= 64, key + "torch_threads", "must be in 1..64")
 
@@ -229,6 +229,11 @@ class Config:
                 f"[{name}] prefix_cache_block_size",
                 f"must equal [prefill] prefix_cache_block_size ({self.block_size}): KV blocks are shared",
             )
+        _check(
+            self.decode.kv_cache_dtype == self.prefill.kv_cache_dtype,
+            "[decode] kv_cache_dtype",
+            f"must equal [prefill] kv_cache_dtype ({self.prefill.kv_cache_dtype!r}): KV moves between them as bytes",
+        )
         disaggregated = self.prefill.node_count > 0 and self.decode.node_count > 0
         _check(
             disaggregated or self.colocated.node_count > 0,

@@ -52,7 +52,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         if rid in self.reservations:
             raise ValueError(f"request {rid!r} already holds a reservation")
-        blocks, free = await w.loop.call(
+        blocks, free = await w.loop.call_now(
             lambda e: (e.reserve(rid, request.num_prompt_tokens, params), e.num_free_blocks)
         )
         if blocks is None:
@@ -98,7 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         rid = request.request_id
         if self.reservations.pop(rid, None) is None:
             return decode_pb2.ReleaseResponse(released=False)
-        await self.worker.loop.call(lambda e: e.abort(rid))
+        await self.worker.loop.call_now(lambda e: e.abort(rid))  # reserved, never in a batch
         return decode_pb2.ReleaseResponse(released=True)
 
     async def expire_reservations(self) -> None:

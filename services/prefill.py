@@ -59,7 +59,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )  # fmt: skip
         finally:
             w.loop.close(rid)
-            await w.loop.call(lambda e: e.release(rid) if finished else e.abort(rid))
+            if finished:  # without waiting for the engine's next step: the reply waits on this
+                await w.loop.call_now(lambda e: e.release(rid))
+            else:
+                await w.loop.call(lambda e: e.abort(rid))
         w.counters.bytes_sent += result.bytes
         w.counters.blocks_sent += result.blocks
         await w.publish_kv_events()

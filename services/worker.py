@@ -102,7 +102,7 @@ class Worker:
 
     async def publish_kv_events(self, heartbeat: bool = False) -> None:
         """Send the engine's stored/evicted block hashes to kvmeta."""
-        stored, removed = await self.loop.call(lambda e: e.pop_kv_events())
+        stored, removed = await self.loop.call_now(lambda e: e.pop_kv_events())
         await self.events.publish(stored, removed, heartbeat)
 
     async def heartbeat_kv_events(self, period_s: float = 2.0) -> None:
@@ -137,6 +137,10 @@ def build_worker(config: Config, role: str, instance_id: str, registry: Registry
         block_size=config.block_size,
         max_num_batched_tokens=pool_config.max_num_batched_tokens,
         max_num_seqs=pool_config.max_concurrent_requests,
+        # Prefill workers run prompts one at a time, first come first served: TTFT is then T_queue + T_prefill,
+        # as the Conductor predicts it. Colocated workers pack prompts as vLLM does (the baseline).
+        max_num_prefills=1 if role == "prefill" else None,
+        kv_cache_dtype=pool_config.kv_cache_dtype,
         enable_prefix_caching=pool_config.enable_prefix_caching and role != "decode",
         dtype=config.model.dtype,
     )
@@ -201,4 +205,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
             )
 
-        return await w.loop.call(snapshot)
+        return await w.loop.call_now(snapshot)

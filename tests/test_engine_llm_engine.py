@@ -165,3 +165,20 @@ def test_prefill_only_reports_chunk_progress_for_kv_streaming(model_dir: Path) -
     assert len(last.new_token_ids) == 1 and last.finished
     for out, snapshot in zip(progress, snapshots, strict=True):  # finished blocks never change afterwards
         assert torch.equal(engine.kv_pool.data[out.block_ids[: len(snapshot)]], snapshot)
+
+
+def test_one_prefill_at_a_time_runs_prompts_first_come_first_served(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=64, max_num_batched_tokens=64, max_num_prefills=1)
+    params = SamplingParams(max_tokens=1)
+    engine.add_request("a", list(range(100)), params, prefill_only=True)
+    engine.add_request("b", list(range(100, 150)), params, prefill_only=True)
+    finished = []
+    for step in range(1, 10):
+        finished += [(out.request_id, step) for out in engine.step() if out.finished]
+    # a's 100 tokens take two 64-token steps alone; b's 50 run after, though they would fit beside a's 36.
+    assert finished == [("a", 2), ("b", 3)]
+    packed = LLMEngine(model_dir, num_blocks=64, max_num_batched_tokens=64)
+    packed.add_request("a", list(range(100)), params, prefill_only=True)
+    packed.add_request("b", list(range(100, 150)), params, prefill_only=True)
+    assert [out.request_id for out in packed.step() if out.finished] == []
+    assert sorted(out.request_id for out in packed.step() if out.finished) == ["a"]

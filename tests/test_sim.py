@@ -155,15 +155,15 @@ def test_trace_and_profile_files(tmp_path):
         load_profile(profile, PROFILE)
 
 
-def test_t_queue_counts_the_whole_backlog_unlike_the_live_formula():
-    from scheduler.sim.booking import Booking, Bookings
+def test_t_queue_counts_the_whole_backlog():
+    from scheduler.booking import Booking, Bookings
 
-    started, live = Bookings("started"), Bookings("live")
-    for b in (started, live):
-        for rid in range(3):
-            b.add(rid, Booking(0.0, 1.0, 100, 1))  # three 1 s prefills queued at t=0
-        b.prefill_started(0, 0.0)
-        b.remove(0)  # done at t=1
-        b.prefill_started(1, 1.0)
-    assert started.t_queue(1.5) == pytest.approx(1.5)  # 0.5 s left of the running one + 1 s queued
-    assert live.t_queue(1.5) == pytest.approx(0.5)  # subtracts the 1 s request 1 waited in the queue
+    bookings = Bookings()
+    for rid in range(3):
+        bookings.add(rid, Booking(0.0, 1.0, 100, 1))  # three 1 s prefills queued at t=0
+    assert bookings.t_queue(0.5) == pytest.approx(2.5)
+    bookings.remove(0, 1.2)  # the first took 1.2 s: the second starts then
+    assert bookings.t_queue(1.5) == pytest.approx(1.7)  # 0.7 s left of the running one + 1 s queued
+    bookings.prefill_done(1, 2.0)
+    assert bookings.t_queue(2.5) == pytest.approx(0.5)
+    assert bookings.num_blocks == 2

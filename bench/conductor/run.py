@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     for r in rows:
         cells = [f"{r[f'{s}_p50_ms']:.3f}/{r[f'{s}_p99_ms']:.3f}" for s in ("hash", "match", "schedule", "total")]
-        print(f"{r['instances']:>9} {r['tokens']:>7} | {cells[0]:>14} | {cells[1]:>14} | {cells[2]:>16} | {cells[3]:>18}")
+        print(
+            f"{r['instances']:>9} {r['tokens']:>7} | {cells[0]:>14} | {cells[1]:>14} | {cells[2]:>16} | {cells[3]:>18}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

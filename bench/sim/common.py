@@ -38,13 +38,6 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ttft", type=float, default=30.0, help="TTFT SLO, s")
     parser.add_argument("--max-tbt", type=float, default=0.3, help="TBT SLO used for admission, s")
     parser.add_argument("--threshold", type=float, default=1.2, help="kv_cache_balancing_threshold")
-    parser.add_argument(
-        "--t-queue",
-        choices=["started", "live"],
-        default="started",
-        help="T_queue estimator: started = queued predicted prefill minus the running one's elapsed time (paper); "
-        "live = services/cluster_view.py's formula today (subtracts the oldest request's queue wait too)",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")

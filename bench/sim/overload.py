@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
             early_rejection=mode,
             kv_cache_balancing_threshold=args.threshold,
             seed=args.seed,
-            t_queue=args.t_queue,
         )
         for mode in MODES
     ]

@@ -82,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
             reject=args.reject,
             kv_cache_balancing_threshold=args.threshold,
             seed=args.seed,
-            t_queue=args.t_queue,
         )
         for p in policies
     ]

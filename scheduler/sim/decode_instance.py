@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.sim.booking import Bookings
+from scheduler.booking import Bookings
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import PrefillJob, chunked_prefill_s
 from scheduler.sim.prefix_cache import PrefixCache
@@ -50,14 +50,13 @@ class DecodeInstance:
         block_size: int,
         on_finish: Finished,
         cache: PrefixCache | None = None,
-        t_queue: str = "started",
     ) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.model = profile.decode
         self.capacity_blocks = profile.decode_kv_tokens // block_size
         self.block_size = block_size
-        self.bookings = Bookings(t_queue)
+        self.bookings = Bookings()
         self.cache = cache
         self.step_times: list[float] = []
         self.batch = 0
@@ -123,7 +122,6 @@ class DecodeInstance:
             job = self.prefill_queue.popleft()
             assert self.cache is not None  # only colocated instances take prefill jobs
             prefix = job.start(self.cache, self.block_size, start)
-            self.bookings.prefill_started(job.record.request_id, start)
             self._chunking = _Chunking(job, prefix)
         if self._chunking is None:
             return 0.0
@@ -155,7 +153,7 @@ class DecodeInstance:
         self._chunking = None
         assert self.cache is not None
         self.cache.store(c.job.request.full_blocks)
-        self.bookings.prefill_done(c.job.record.request_id)
+        self.bookings.prefill_done(c.job.record.request_id, end)
         c.job.record.first_token = end
         if c.job.record.num_output_tokens > 1:
             self.join(c.job.record, end)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler.booking import Bookings
 from scheduler.cost_model import PrefillModel
 from scheduler.policy import RequestShape
-from scheduler.sim.booking import Bookings
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile
@@ -60,14 +60,12 @@ class PrefillJob:
 class PrefillInstance:
     """FIFO prefill worker; the simulator schedules an event at each job's end."""
 
-    def __init__(
-        self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache, t_queue: str = "started"
-    ) -> None:
+    def __init__(self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.block_size = block_size
         self.cache = cache
-        self.bookings = Bookings(t_queue)
+        self.bookings = Bookings()
         self.queue: deque[PrefillJob] = deque()
         self.running: PrefillJob | None = None
         self.queued_new_tokens = 0  # tokens the plans say must be computed, over queued and running jobs
@@ -90,7 +88,7 @@ class PrefillInstance:
         if job is None:
             raise RuntimeError(f"{self.instance_id} has no running prefill")
         self.cache.store(job.request.full_blocks)
-        self.bookings.remove(job.record.request_id)
+        self.bookings.remove(job.record.request_id, now)
         self.queued_new_tokens -= job.shape.num_prompt_tokens - job.plan_prefix
         self.running = None
         return job, self._start(now) if self.queue else None
@@ -98,7 +96,6 @@ class PrefillInstance:
     def _start(self, now: float) -> float:
         job = self.queue.popleft()
         self.running = job
-        self.bookings.prefill_started(job.record.request_id, now)
         prefix = job.start(self.cache, self.block_size, now)
         n = job.shape.num_prompt_tokens
         duration = self.profile.link.predict(job.record.copy_bytes) + chunked_prefill_s(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.booking import Booking, request_blocks
 from scheduler.cost_model import LinkModels
 from scheduler.kv_index import KVIndex
 from scheduler.policy import (
@@ -36,7 +37,6 @@ from scheduler.policy import (
     RequestShape,
     Slo,
 )
-from scheduler.sim.booking import Booking, request_blocks
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import PrefillInstance, PrefillJob
@@ -65,7 +65,6 @@ class SimConfig:
     compare_copy_with_recompute: bool = True
     seed: int = 0
     sample_interval: float = 10.0
-    t_queue: str = "started"  # T_queue estimator: "started" (paper) or "live" (services/cluster_view.py today)
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -134,14 +133,12 @@ class Simulator:
         self.prefills: list[PrefillInstance] = []
         if cfg.colocated:
             self.decodes = [
-                DecodeInstance(
-                    f"c{i}", prof, bs, self._finished, PrefixCache(f"c{i}", cache_blocks, self.index), cfg.t_queue
-                )
+                DecodeInstance(f"c{i}", prof, bs, self._finished, PrefixCache(f"c{i}", cache_blocks, self.index))
                 for i in range(cfg.num_prefill + cfg.num_decode)
             ]
         else:
             self.prefills = [
-                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index), cfg.t_queue)
+                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index))
                 for i in range(cfg.num_prefill)
             ]
             self.decodes = [DecodeInstance(f"d{i}", prof, bs, self._finished) for i in range(cfg.num_decode)]
@@ -266,7 +263,7 @@ class Simulator:
 
     def _finished(self, record: RequestRecord, now: float) -> None:
         record.finish = now
-        self._decode_by_id[record.decode_instance].bookings.remove(record.request_id)
+        self._decode_by_id[record.decode_instance].bookings.remove(record.request_id, now)
         weight = 0.05  # the live Conductor's moving average of completion lengths
         tokens = record.num_output_tokens
         self._mean_output = (1 - weight) * (self._mean_output or tokens) + weight * tokens

@@ -1,0 +1,92 @@
+"""The Conductor's bookkeeping of what it sent where: the live Conductor and the simulator share it.
+
+The Conductor does not see an instance's true state; it sees its own bookings. The policy's inputs are
+computed from them:
+
+* ``T_queue`` of a prefill instance: the predicted prefill work ahead of a new request. The instance
+  works first come, first served, so the bookings keep the predicted time its queue drains
+  (``busy_until``): a new booking starts when the queue drains, and a finished prefill restarts the
+  clock for the ones still waiting. Subtracting the time since the oldest booking was *assigned*
+  would count its own wait in the queue as progress and read a backlog as short.
+* the decode batch: each request's expected join time (assignment + predicted TTFT, or the real
+  start once token 0 arrived) and decode duration, as ``Resident``s.
+* free KV blocks: the instance's blocks minus those its bookings reserve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from scheduler.policy import Resident
+
+OVERDUE_S = 1e-3  # a request decoding past its expected end is expected to leave right after now
+
+
+def request_blocks(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a decode instance reserves for a whole request (prompt + max_tokens)."""
+    return math.ceil((num_prompt_tokens + max_tokens) / block_size)
+
+
+@dataclass
+class Booking:
+    """One request's footprint on an instance; absolute times in seconds."""
+
+    assigned_at: float
+    predicted_prefill_s: float  # its own prefill time (on a prefill instance; 0 once done)
+    context_tokens: int
+    num_blocks: int
+    expected_join: float = 0.0  # assignment + predicted TTFT
+    expected_decode_s: float = 0.0  # expected output tokens x predicted TBT
+    decode_started: float | None = None
+
+    def resident(self, now: float) -> Resident:
+        """The request as part of a decode batch, relative to ``now``."""
+        if self.decode_started is None:  # not decoding yet, even if its prefill runs late
+            join = max(OVERDUE_S, self.expected_join - now)
+            return Resident(join, join + self.expected_decode_s, self.context_tokens)
+        join = self.decode_started - now
+        return Resident(join, max(OVERDUE_S, join + self.expected_decode_s), self.context_tokens)
+
+
+class Bookings:
+    """An instance's bookings, by request id."""
+
+    def __init__(self) -> None:
+        self.items: dict[Hashable, Booking] = {}
+        self.num_blocks = 0
+        self._busy_until = 0.0
+
+    def add(self, request_id: Hashable, booking: Booking) -> None:
+        """Book a request; its prefill (if any) queues behind the work already booked."""
+        self.items[request_id] = booking
+        self.num_blocks += booking.num_blocks
+        if booking.predicted_prefill_s:
+            self._busy_until = max(self._busy_until, booking.assigned_at) + booking.predicted_prefill_s
+
+    def prefill_done(self, request_id: Hashable, now: float) -> None:
+        """Its prefill finished (or failed): the next in line starts now."""
+        booking = self.items.get(request_id)
+        if booking is None or not booking.predicted_prefill_s:
+            return
+        booking.predicted_prefill_s = 0.0
+        self._busy_until = now + sum(b.predicted_prefill_s for b in self.items.values())
+
+    def remove(self, request_id: Hashable, now: float) -> None:
+        """Forget a request (finished, failed or cancelled)."""
+        self.prefill_done(request_id, now)
+        booking = self.items.pop(request_id, None)
+        if booking is not None:
+            self.num_blocks -= booking.num_blocks
+
+    def t_queue(self, now: float) -> float:
+        """Predicted seconds of prefill work ahead of a request arriving now."""
+        return max(0.0, self._busy_until - now)
+
+    def residents(self, now: float) -> tuple[Resident, ...]:
+        """The decode batch as the policy sees it."""
+        return tuple(b.resident(now) for b in self.items.values())
+
+    def __len__(self) -> int:
+        return len(self.items)

@@ -8,7 +8,7 @@ any instance holds)::
         copy plan:   T_transfer = copy(best_len - prefix_len);  T_prefill = T_prefill(n - best_len, best_len)
     else:
         local plan:  T_transfer = 0;                            T_prefill = T_prefill(n - prefix_len, prefix_len)
-    TTFT = T_queue + T_transfer + T_prefill + T_send(prompt KV to decode)
+    TTFT = T_queue + T_transfer + T_prefill + T_send(prompt KV still unsent at token 0)
 
 Beyond the paper, ``compare_copy_with_recompute`` keeps the copy plan only when it is predicted faster
 than recomputing the same blocks. The least TTFT wins. The decode instance is the one whose predicted
@@ -45,6 +45,14 @@ class PrefillCandidate:
     prefix_len: int  # prompt tokens whose KV this instance holds (whole blocks)
     t_queue: float  # seconds of prefill work queued ahead of the request
     model: PrefillModel
+    chunk_tokens: int = 0  # prefill chunk; KV of earlier chunks streams out during later ones (0 = no streaming)
+
+    def exposed_tokens(self, num_prompt_tokens: int, reused: int) -> int:
+        """Prompt tokens whose KV is still to send after token 0: all, or only the last chunk's."""
+        new = num_prompt_tokens - reused
+        if self.chunk_tokens <= 0 or new <= self.chunk_tokens:
+            return num_prompt_tokens
+        return new - (new - 1) // self.chunk_tokens * self.chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -202,7 +210,9 @@ class ConductorPolicy:
     ) -> PrefillEstimate:
         n = request.num_prompt_tokens
         own = request.usable_prefix(p.prefix_len)
-        t_send = links.model(p.instance_id).predict(request.kv_bytes(n)) if links is not None else 0.0
+        t_send = (
+            0.0 if links is None else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, own)))
+        )
         local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.model.predict(n - own, own), t_send)
         if best is None or links is None or best.instance_id == p.instance_id:
             return local
@@ -216,6 +226,9 @@ class ConductorPolicy:
             prefix_len=best_len,
             t_transfer=links.model(best.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens)),
             t_prefill=p.model.predict(n - best_len, best_len),
+            t_send=0.0
+            if links is None
+            else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, best_len))),
             copy_from=best.instance_id,
             copy_tokens=copy_tokens,
         )

@@ -59,7 +59,8 @@ class InstanceView:
 
     def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
         """The instance as a prefill candidate."""
-        return PrefillCandidate(self.instance_id, prefix_len, self.prefilling.t_queue(now), self.prefill_model)
+        chunk = int(self.record["max_num_batched_tokens"]) if self.role == "prefill" else 0
+        return PrefillCandidate(self.instance_id, prefix_len, self.prefilling.t_queue(now), self.prefill_model, chunk)
 
     def decode_candidate(self, now: float) -> DecodeCandidate:
         """The instance as a decode candidate."""

@@ -294,22 +294,37 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise
         finally:
             p.prefilling.prefill_done(job.request_id, time.monotonic())
-        self._learn(plan, p, d, response)
+        self._learn(job, p, d, response)
         return response
 
-    def _learn(self, plan: Plan, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
-        """Feed measured transfers to the link models and the prediction-error record; log the outcome."""
+    def _learn(self, job: Job, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
+        """Feed measured transfers to the link models, the prediction errors and the decision; log them."""
+        plan = job.plan
+        if plan is None:
+            return
+        if job.decision is not None:
+            job.decision.outcome.MergeFrom(
+                conductor_pb2.Outcome(
+                    prefill_ms=r.prefill_seconds * 1e3,
+                    kv_send_ms=r.transfer_seconds * 1e3,
+                    kv_send_exposed_ms=r.transfer_exposed_seconds * 1e3,
+                    kv_copy_ms=r.copy_seconds * 1e3,
+                    copied_tokens=r.copied_tokens,
+                    cached_tokens=r.num_cached_tokens,
+                    copy_note=r.copy_note,
+                )
+            )
         self.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
-        self.errors.record("kv_send", plan.prefill.t_send, r.transfer_seconds)
+        self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
         if r.copy_bytes:
             self.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
             self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)
         copy = f", copied {r.copied_tokens} tokens in {r.copy_seconds * 1e3:.1f} ms" if r.copied_tokens else ""
         note = f" ({r.copy_note})" if r.copy_note else ""
         log.info(
-            "prefill %s: cached %d, computed %d in %.1f ms%s%s; %d KV bytes to %s in %.1f ms",
+            "prefill %s: cached %d, computed %d in %.1f ms%s%s; %d KV bytes to %s in %.1f ms (%.1f ms after token 0)",
             p.instance_id, r.num_cached_tokens, r.num_computed_tokens, r.prefill_seconds * 1e3, copy, note,
-            r.kv_bytes_sent, d.instance_id, r.transfer_seconds * 1e3,
+            r.kv_bytes_sent, d.instance_id, r.transfer_seconds * 1e3, r.transfer_exposed_seconds * 1e3,
         )  # fmt: skip
 
     async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
@@ -371,9 +386,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Record the request's real TTFT and TBT against the plan's predictions."""
         if job.plan is None:
             return
-        self.errors.record("ttft", job.plan.prefill.ttft, times[0] - job.arrived)
-        if len(times) > 2:
-            self.errors.record("tbt", job.plan.tbt, (times[-1] - times[1]) / (len(times) - 2))
+        ttft = times[0] - job.arrived
+        tbt = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else 0.0
+        self.errors.record("ttft", job.plan.prefill.ttft, ttft)
+        self.errors.record("tbt", job.plan.tbt, tbt)
+        if job.decision is not None:
+            job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
         weight = 0.05
         self.mean_output_tokens = (1 - weight) * (
             self.mean_output_tokens or completion_tokens

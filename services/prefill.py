@@ -5,8 +5,9 @@ Per request::
     [KV copy planned: pull the missing prefix blocks from the best holder, see services/kv_copy.py]
     -> add_request(prefill_only) -> engine computes the uncached blocks, samples token 0
     -> transfer engine writes every prompt block (the last, partial one included) into the decode
-       worker's reserved blocks -> release the blocks (they stay in the prefix cache) -> announce
-       newly stored / evicted blocks to kvmeta -> reply with token 0
+       worker's reserved blocks, each chunk's blocks while the next chunk computes (services/kv_stream.py)
+    -> release the blocks (they stay in the prefix cache) -> announce newly stored / evicted blocks to
+       kvmeta -> reply with token 0
 
 The reply comes after the announcement, so a request that follows this one can already be routed to
 the prefix it left behind.
@@ -14,7 +15,6 @@ the prefix it left behind.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -24,6 +24,7 @@ from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.engine_loop import next_output
 from services.kv_copy import Exports, PrefixCopy, pull_prefix
+from services.kv_stream import KVStreamer
 from services.rpc import Service
 from services.worker import Worker, sampling_from_proto
 
@@ -43,37 +44,39 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._check_destination(destination, len(prompt))
         start = time.perf_counter()
         outputs = w.loop.open(rid)
+        streamer = KVStreamer(w.transfer, w.engine.kv_pool, destination)
         finished = False
         try:
             copy = await self._copy_prefix(request, prompt)
             await w.loop.call(lambda e: self._add(e, rid, prompt, params, copy))
             out = await next_output(outputs)
-            while not out.finished:  # chunked prefill may report progress before token 0
+            while not out.finished:  # a chunk is done: send its complete blocks while the next computes
+                streamer.send_upto(out.block_ids, out.num_computed_tokens // w.engine.kv_pool.block_size)
                 out = await next_output(outputs)
             finished = True
             prefill_seconds = time.perf_counter() - start
-            sources = [w.engine.kv_pool.block_address(b) for b in out.block_ids[: len(destination.block_addresses)]]
-            result = await asyncio.to_thread(
-                w.transfer.write_blocks, destination.transfer_endpoint, sources, list(destination.block_addresses),
-                destination.bytes_per_block,
-            )  # fmt: skip
+            streamer.send_upto(out.block_ids, len(destination.block_addresses))
+            await streamer.finish()
+            exposed_seconds = time.perf_counter() - start - prefill_seconds
         finally:
+            await streamer.settle()  # no write may land in the decode worker's blocks after we answer
             w.loop.close(rid)
             if finished:  # without waiting for the engine's next step: the reply waits on this
                 await w.loop.call_now(lambda e: e.release(rid))
             else:
                 await w.loop.call(lambda e: e.abort(rid))
-        w.counters.bytes_sent += result.bytes
-        w.counters.blocks_sent += result.blocks
+        w.counters.bytes_sent += streamer.bytes
+        w.counters.blocks_sent += streamer.blocks
         await w.publish_kv_events()
         return prefill_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0],
             num_cached_tokens=out.num_cached_tokens,
             num_computed_tokens=len(prompt) - out.num_cached_tokens,
-            kv_bytes_sent=result.bytes,
-            kv_blocks_sent=result.blocks,
+            kv_bytes_sent=streamer.bytes,
+            kv_blocks_sent=streamer.blocks,
             prefill_seconds=prefill_seconds,
-            transfer_seconds=result.seconds,
+            transfer_seconds=streamer.seconds,
+            transfer_exposed_seconds=exposed_seconds,
             copied_tokens=copy.num_copied * w.engine.kv_pool.block_size if copy else 0,
             copy_bytes=copy.bytes if copy else 0,
             copy_seconds=copy.seconds if copy else 0.0,

@@ -78,6 +78,12 @@ def print_decision(config: Config, request_id: str) -> int:
     print(f"  {d.reason}")
     print(f"  best_len {d.best_len} on {d.best_instance or '-'}; predicted TTFT {d.predicted_ttft_ms:.1f} ms, "
           f"TBT {d.predicted_tbt_ms:.1f} ms")  # fmt: skip
+    o = d.outcome
+    if o.ttft_ms:
+        copied = f", copied {o.copied_tokens} in {o.kv_copy_ms:.1f} ms" if o.copied_tokens else ""
+        print(f"  measured: TTFT {o.ttft_ms:.1f} ms, TBT {o.tbt_ms:.1f} ms, prefill {o.prefill_ms:.1f} ms, "
+              f"KV send {o.kv_send_ms:.1f} ms ({o.kv_send_exposed_ms:.1f} ms after token 0), "
+              f"cached {o.cached_tokens} tokens{copied}")  # fmt: skip
     header = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send", "TTFT (ms)")
     rows = [
         (c.instance_id, str(c.prefix_len), c.copy_from or "-", f"{c.t_queue_ms:.1f}", f"{c.t_transfer_ms:.1f}",

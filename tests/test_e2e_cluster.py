@@ -227,3 +227,23 @@ def test_explain_and_status_commands(cluster):
     for instance in ("prefill-0", "prefill-1", "decode-0", "colocated-0"):
         assert instance in status.stdout
     assert "cost-model median relative error: ttft" in status.stdout
+
+
+def test_long_prompt_streams_its_kv_during_prefill(cluster, model_dir):
+    """A prompt of two prefill chunks: the first chunk's KV crosses while the second computes."""
+    rng = random.Random(31)
+    prompt = [rng.randrange(256) for _ in range(3000)]  # chunks of 2048 + 952 tokens
+    tokens, _, _ = helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED, request_id="long-1")
+    with grpc.insecure_channel(cluster.conductor) as channel:
+        decision = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
+            conductor_pb2.ExplainDecisionRequest(request_id="long-1"), timeout=10
+        )
+    outcome = decision.outcome
+    assert outcome.kv_send_ms > 0 and outcome.ttft_ms > 0
+    assert outcome.kv_send_exposed_ms < outcome.kv_send_ms  # part of the transfer overlapped compute
+    from engine.llm_engine import LLMEngine, generate
+    from engine.sampling import SamplingParams
+
+    engine = LLMEngine(model_dir, num_blocks=256)
+    expected = generate(engine, prompt, SamplingParams(max_tokens=helpers.MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert tokens == expected

@@ -205,3 +205,15 @@ def test_kv_index_prefix_match_gaps_and_drops():
     assert index.drop_instance("p1") == 2
     assert index.match_prefix(h).prefix_blocks == {"p0": 1}
     assert index.apply("p9", 5, [h[0]], []) is True  # unknown instance: resync
+
+
+def test_kv_streaming_leaves_only_the_last_chunk_to_send_after_token_0():
+    links = LinkModels(TransferModel(latency_s=0.0, bandwidth_bytes_per_s=BPB * 16))  # 16 blocks/s: slow on purpose
+    whole = PrefillCandidate("p0", 0, 0.0, PREFILL)
+    streamed = PrefillCandidate("p0", 0, 0.0, PREFILL, chunk_tokens=512)
+    assert streamed.exposed_tokens(1200, 0) == 176  # chunks of 512, 512, 176
+    assert streamed.exposed_tokens(400, 0) == 400  # one chunk: everything goes after token 0
+    assert streamed.exposed_tokens(1200, 800) == 1200  # 400 new tokens: one chunk
+    plans = [policy().schedule([c], [decode()], shape(1200), SLO, links) for c in (whole, streamed)]
+    assert plans[0].prefill.t_send == pytest.approx(75 / 16)  # 75 blocks
+    assert plans[1].prefill.t_send == pytest.approx(11 / 16)  # the last chunk's 11 blocks

@@ -1,0 +1,6 @@
+"""``kvconductor bench serve``: streaming load against any OpenAI-compatible base URL.
+
+``workloads`` builds the requests (shared prefix, random lengths, Mooncake trace replay), ``client``
+streams one request and times it, ``runner`` paces the arrivals (closed loop, Poisson, trace
+timestamps), ``metrics`` summarizes, and ``cli`` wires the flags.
+"""

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from services.config import ConfigError, load_config
 
@@ -18,6 +19,8 @@ kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a gl
   kvconductor explain REQUEST_ID --config C             why the Conductor placed (or refused) a request
   kvconductor make-model --out models/tiny-llama        the small random-weight default model
   kvconductor generate --model M --prompt "Hello"       one prompt through the engine in this process
+  kvconductor bench serve --base-url URL --model M      streaming load against any OpenAI-compatible URL
+  kvconductor bench compare [--sweep]                   colocated vs. disaggregated on the same workload
 """
 
 
@@ -27,6 +30,26 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override one config key, e.g. --set prefill.node_count=2 (repeatable)",
     )  # fmt: skip
+
+
+def _add_bench_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``bench serve`` / ``bench compare``: their flags live in bench/serve/cli.py and bench/compare/cli.py."""
+    root = str(Path(__file__).resolve().parent.parent)  # bench/ is in the repository, not an installed package
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench.compare import cli as compare_cli
+    from bench.serve import cli as serve_cli
+
+    bench = sub.add_parser("bench", help="benchmarks: load against an OpenAI-compatible URL, colocated vs. PD")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, module, help_ in (
+        ("serve", serve_cli, "streaming requests against an OpenAI-compatible base URL: TTFT, TPOT, goodput"),
+        ("compare", compare_cli, "colocated baseline vs. disaggregated cluster on the identical workload"),
+    ):
+        p = kinds.add_parser(name, help=help_, description=module.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        module.add_arguments(p)
+        p.set_defaults(bench_main=module.main)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, metavar="S", help="sampling seed: the same seed gives the same output")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     gen.add_argument("--json", action="store_true", help="print JSON: prompt and output token ids, text, finish reason")
+    _add_bench_args(sub)
     return parser
 
 
@@ -90,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             from engine.generate_cli import main as generate_main
 
             return generate_main(args)
+        if args.command == "bench":
+            return int(args.bench_main(args))
         config = load_config(args.config, args.set)
         if args.command == "up":
             from services.launcher import up

@@ -41,18 +41,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the summary and per-request results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_workload_arguments(p)
+    pace = p.add_argument_group("pacing and SLO")
+    pace.add_argument("--concurrency", type=int, help="closed loop with this many requests in flight")
+    pace.add_argument("--request-rate", type=float, help="open loop, Poisson arrivals at this rate (req/s)")
+    add_slo_arguments(pace)
 
 
-def add_workload_arguments(p: argparse.ArgumentParser, default_requests: int = 20) -> None:
-    """Workload, pacing and SLO flags."""
+def add_slo_arguments(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, ttft: float | None = None, tpot: float | None = None
+) -> None:
+    """``--ttft-slo-ms`` and ``--tpot-slo-ms`` (goodput limits)."""
+    p.add_argument("--ttft-slo-ms", type=float, default=ttft, help=f"goodput: TTFT limit in ms (default {ttft})")
+    p.add_argument("--tpot-slo-ms", type=float, default=tpot, help=f"goodput: TPOT limit in ms (default {tpot})")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, requests_flag: str = "--num-requests") -> None:
+    """The workload flags (``requests_flag`` names the request-count flag)."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["shared-prefix", "random", "trace"], default="shared-prefix")
-    w.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
-                   help="chat sends the prompt as text, completions as token ids (default chat)")
-    w.add_argument("--num-requests", type=int, default=default_requests, help="random workload: requests")
+    w.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="chat sends the prompt as text, completions as token ids (default chat)",
+    )
+    w.add_argument(
+        requests_flag,
+        dest="num_requests",
+        type=int,
+        default=20,
+        help="requests (shared-prefix: N x M with M = this / N; default 20)",
+    )
     w.add_argument("--num-prefixes", type=int, default=2, help="shared-prefix: distinct prefixes (N)")
-    w.add_argument("--suffixes-per-prefix", type=int, help="shared-prefix: suffixes per prefix (M; "
-                   "default: --num-requests / N)")
+    w.add_argument(
+        "--suffixes-per-prefix", type=int, help="shared-prefix: suffixes per prefix (M; default: --num-requests / N)"
+    )
     w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens (default 512)")
     w.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: suffix tokens (default 32)")
     w.add_argument("--output-len", type=int, default=32, help="shared-prefix: output tokens (default 32)")
@@ -60,19 +83,19 @@ def add_workload_arguments(p: argparse.ArgumentParser, default_requests: int = 2
     w.add_argument("--output-range", type=_range, default=(8, 64), metavar="LO:HI", help="random: output tokens")
     w.add_argument("--trace", default=DEFAULT_TRACE, help="trace: Mooncake JSONL file")
     w.add_argument("--limit", type=int, default=100, help="trace: first N requests (default 100)")
-    w.add_argument("--length-scale", type=float, default=1 / 32,
-                   help="trace: real tokens per trace token (default 1/32: a 512-token block -> 16 tokens)")
-    w.add_argument("--output-scale", type=float, help="trace: real output tokens per trace token "
-                   "(default: --length-scale)")
+    w.add_argument(
+        "--length-scale",
+        type=float,
+        default=1 / 32,
+        help="trace: real tokens per trace token (default 1/32: a 512-token block -> 16 tokens)",
+    )
+    w.add_argument(
+        "--output-scale", type=float, help="trace: real output tokens per trace token (default: --length-scale)"
+    )
     w.add_argument("--max-output-tokens", type=int, default=64, help="trace: cap on scaled outputs (default 64)")
     w.add_argument("--max-input-tokens", type=int, default=2048, help="trace: cap on scaled prompts (default 2048)")
     w.add_argument("--time-scale", type=float, default=1.0, help="trace: seconds of replay per trace second")
     w.add_argument("--seed", type=int, default=0, help="seeds prompts and Poisson arrivals (default 0)")
-    pace = p.add_argument_group("pacing and SLO")
-    pace.add_argument("--concurrency", type=int, help="closed loop with this many requests in flight")
-    pace.add_argument("--request-rate", type=float, help="open loop, Poisson arrivals at this rate (req/s)")
-    pace.add_argument("--ttft-slo-ms", type=float, help="goodput: TTFT limit (ms)")
-    pace.add_argument("--tpot-slo-ms", type=float, help="goodput: TPOT limit (ms)")  # fmt: skip
 
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
@@ -134,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     print(metrics.format_table(record["summary"]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        Path(args.out).write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
         print(f"wrote {args.out}")
     return 0
 

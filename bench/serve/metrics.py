@@ -37,7 +37,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 def describe(values: Sequence[float]) -> dict[str, float]:
     """median, p90, p99 and mean (NaN when empty)."""
     mean = sum(values) / len(values) if values else math.nan
-    return {"median": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99), "mean": mean}
+    return {
+        "median": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "mean": mean,
+    }
 
 
 def within_slo(r: RequestResult, ttft_slo_s: float | None, tpot_slo_s: float | None) -> bool:
@@ -114,3 +119,14 @@ def format_table(summary: dict[str, Any]) -> str:
     ]
     lines += [f"error x{n}: {reason}" for reason, n in summary["errors"].items()]
     return "\n".join(lines)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value

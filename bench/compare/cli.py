@@ -1,0 +1,114 @@
+"""``kvconductor bench compare``: the seed's validation, colocated baseline vs. disaggregated, side by side.
+
+    kvconductor bench compare                        # 20 shared-prefix chat requests, c=1 and c=4
+    kvconductor bench compare --requests 40 --concurrency 1 2 8 --out /tmp/compare
+    kvconductor bench compare --sweep                # tuning order on the disaggregated cluster
+
+Both clusters run the same number of worker processes with the same torch threads (colocated: two
+colocated workers; disaggregated: one prefill and one decode worker) and get the identical workload:
+by default the seed's steps 1-3, 20 streaming chat requests over 2 shared 512-token prefixes, at
+concurrency 1 (the seed's sequential runs) and 4 (some interference between prefill and decode). Each
+cluster starts cold. Writes ``compare.json``, ``compare.md`` and ``compare.png`` under ``--out``
+(``sweep.*`` with ``--sweep``); cluster logs stay under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.compare import report
+from bench.compare.cluster import COLOCATED, DISAGGREGATED, REPO
+from bench.compare.measure import measure
+from bench.serve.cli import add_slo_arguments, add_workload_arguments
+from bench.serve.metrics import jsonable
+
+DEFAULT_OUT = "bench/results/compare"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``bench compare``."""
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--config", default=str(REPO / "deploy/config.toml"), help="cluster config (default deploy's)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override for both clusters (repeatable)",
+    )
+    p.add_argument("--model", default="tiny-llama", help="served model name (default tiny-llama)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        metavar="C",
+        help="closed-loop levels run on each cluster (default 1 4)",
+    )
+    p.add_argument("--sweep", action="store_true", help="tuning sweep on the disaggregated cluster instead")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_workload_arguments(p, requests_flag="--requests")
+    add_slo_arguments(p, ttft=2000.0, tpot=200.0)  # the config's max_ttft_ms and max_tbt_ms  # fmt: skip
+
+
+def _labelled(measurements: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{"colocated c=1": summary, "disaggregated c=1": summary, ...}``, levels interleaved."""
+    levels = next(iter(measurements.values()))["levels"]
+    return {f"{name} {level}": m["levels"][level]["summary"] for level in levels for name, m in measurements.items()}
+
+
+def compare(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]:
+    """Both clusters, one after the other; writes the outputs; the JSON record."""
+    t0 = time.monotonic()
+    measurements = {
+        name: measure(args, name, overrides, args.concurrency, root / name)
+        for name, overrides in (("colocated", COLOCATED), ("disaggregated", DISAGGREGATED))
+    }
+    runs = _labelled(measurements)
+    record = {"kind": "compare", "wall_s": time.monotonic() - t0, "table": runs, "clusters": measurements}
+    title = (f"bench compare: {args.workload}, {args.num_requests} requests, 2 workers x 1 torch thread "
+             "(blue colocated, orange disaggregated)")  # fmt: skip
+    (out / "compare.json").write_text(json.dumps(jsonable(record), indent=2, default=str) + "\n")
+    (out / "compare.md").write_text(f"{title}\n\n{report.markdown_table(runs)}")
+    report.plot(runs, out / "compare.png", title)
+    print(report.text_table(runs))
+    return record
+
+
+def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]:
+    """The tuning sweep; writes ``sweep.json`` and ``sweep.md``."""
+    from bench.compare.sweep import markdown, sweep
+
+    t0 = time.monotonic()
+    result = sweep(args, root)
+    record = {"kind": "sweep", "wall_s": time.monotonic() - t0, **result}
+    (out / "sweep.json").write_text(json.dumps(jsonable(record), indent=2, default=str) + "\n")
+    (out / "sweep.md").write_text(markdown(result))
+    print(markdown(result))
+    return record
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``bench compare``; 0 on success, 1 on a clear error."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        record = (run_sweep if args.sweep else compare)(args, out, root)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}/{record['kind']}.{{json,md{',png' if record['kind'] == 'compare' else ''}}} "
+          f"in {record['wall_s']:.0f} s; cluster logs under {root}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.compare.cli", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,78 @@
+"""Side-by-side output of ``bench compare``: a terminal table, a markdown table and a PNG plot.
+
+Rows are (deployment, pacing) runs; ``runs`` maps a label such as ``colocated c=4`` to the summary
+that ``bench.serve.metrics.summarize`` returned for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    ("TTFT p50 ms", lambda s: f"{s['ttft_ms']['median']:.1f}"),
+    ("TTFT p90 ms", lambda s: f"{s['ttft_ms']['p90']:.1f}"),
+    ("TPOT p50 ms", lambda s: f"{s['tpot_ms']['median']:.2f}"),
+    ("TPOT p90 ms", lambda s: f"{s['tpot_ms']['p90']:.2f}"),
+    ("hit rate", lambda s: f"{s['prefix_cache_hit_rate']:.1%}"),
+    ("req/s", lambda s: f"{s['request_throughput']:.2f}"),
+    ("tok/s", lambda s: f"{s['output_throughput']:.1f}"),
+    ("goodput req/s", lambda s: f"{s['goodput']:.2f}"),
+    ("done/failed", lambda s: f"{s['completed']}/{s['failed']}"),
+)
+
+
+def _cells(summary: Mapping[str, Any]) -> list[str]:
+    return [fmt(summary) for _, fmt in COLUMNS]
+
+
+def text_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
+    """Aligned columns for the terminal."""
+    rows = [["run", *(name for name, _ in COLUMNS)]] + [[label, *_cells(s)] for label, s in runs.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def markdown_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
+    """A GitHub markdown table."""
+    head = "| run | " + " | ".join(name for name, _ in COLUMNS) + " |\n"
+    rule = "|---|" + "---:|" * len(COLUMNS) + "\n"
+    return head + rule + "".join(f"| {label} | " + " | ".join(_cells(s)) + " |\n" for label, s in runs.items())
+
+
+def plot(runs: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
+    """Grouped bars: TTFT and TPOT (median with a p90 whisker), hit rate, goodput, per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(runs)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
+    panels = (
+        ("TTFT (ms)", "ttft_ms"),
+        ("TPOT (ms)", "tpot_ms"),
+    )
+    colors = ["#4C72B0" if label.startswith("colocated") else "#DD8452" for label in labels]
+    for ax, (name, key) in zip(axes, panels, strict=False):
+        med = [runs[label][key]["median"] for label in labels]
+        p90 = [runs[label][key]["p90"] for label in labels]
+        ax.bar(
+            labels, med, color=colors, yerr=[[0] * len(med), [b - a for a, b in zip(med, p90, strict=True)]], capsize=4
+        )
+        ax.set_title(f"{name}: median, whisker to p90")
+    axes[2].bar(labels, [100 * runs[label]["prefix_cache_hit_rate"] for label in labels], color=colors)
+    axes[2].set_title("prefix-cache hit rate (%)")
+    axes[3].bar(labels, [runs[label]["goodput"] for label in labels], color=colors)
+    axes[3].set_title("goodput (req/s within SLO)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -155,6 +155,7 @@ class Rejection:
 
     reason: str
     plan: Plan | None = None
+    kind: str = "capacity"  # "ttft_slo", "tbt_slo" or "capacity" (no instance, no free blocks or slots)
 
 
 @dataclass
@@ -282,8 +283,12 @@ def admit(plan: Plan, slo: Slo) -> Plan | Rejection:
     """Reject a plan that breaks the TTFT or TBT SLO (when the operator asks for rejection)."""
     if slo.reject and plan.prefill.ttft > slo.max_ttft:
         return Rejection(
-            f"predicted TTFT {plan.prefill.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms", plan
+            f"predicted TTFT {plan.prefill.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms",
+            plan,
+            "ttft_slo",
         )
     if slo.reject and plan.tbt > slo.max_tbt:
-        return Rejection(f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms", plan)
+        return Rejection(
+            f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms", plan, "tbt_slo"
+        )
     return plan

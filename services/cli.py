@@ -18,6 +18,7 @@ kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a gl
   kvconductor status --config C                         instances, load, cost models, prediction errors
   kvconductor explain REQUEST_ID --config C             why the Conductor placed (or refused) a request
   kvconductor make-model --out models/tiny-llama        the small random-weight default model
+  kvconductor generate --cluster --prompt "Hello"       one prompt through the running cluster's Conductor
   kvconductor generate --model M --prompt "Hello"       one prompt through the engine in this process
   kvconductor bench serve --base-url URL --model M      streaming load against any OpenAI-compatible URL
   kvconductor bench compare [--sweep]                   colocated vs. disaggregated on the same workload
@@ -78,14 +79,22 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
 
-    gen = sub.add_parser("generate", help="run one prompt through the engine in this process (no cluster)")
-    gen.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model folder (Llama or Qwen2)")
+    gen = sub.add_parser(
+        "generate", help="one prompt: through a running cluster (--cluster) or the engine in this process (--model)"
+    )
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", metavar="DIR", help="run the engine in this process on this Hugging Face folder")
+    where.add_argument("--cluster", action="store_true", help="send it to the Conductor of --config / --set")
+    gen.add_argument(
+        "--deployment", choices=["auto", "disaggregated", "colocated"], default="auto", help="serving path (--cluster)"
+    )
+    _add_config_args(gen)
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (tokenized without BOS)")
     gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="temperature; 0 is greedy (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sample from the top tokens of mass P")
     gen.add_argument("--seed", type=int, metavar="S", help="sampling seed: the same seed gives the same output")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (--model)")
     gen.add_argument("--json", action="store_true", help="print JSON: prompt and output token ids, text, finish reason")
     _add_bench_args(sub)
     return parser
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             make_model(args.out, seed=args.seed)
             print(f"wrote {args.out}")
             return 0
-        if args.command == "generate":
+        if args.command == "generate" and args.model:
             from engine.generate_cli import main as generate_main
 
             return generate_main(args)
@@ -128,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             _setup_logging(config.telemetry.log_level, args.id)
             run(config, args.role, args.id)
             return 0
+        if args.command == "generate":
+            from services.client import generate_main as generate_remote
+
+            return generate_remote(args, config)
         from services.status import print_decision, print_status
 
         if args.command == "explain":

@@ -19,6 +19,7 @@ from scheduler.booking import Bookings
 from scheduler.cost_model import DecodeModel, PrefillModel
 from scheduler.policy import DecodeCandidate, PrefillCandidate
 from services.registry import InstanceEvent
+from services.rpc import channel
 
 log = logging.getLogger(__name__)
 WORKER_ROLES = ("prefill", "decode", "colocated")
@@ -79,6 +80,7 @@ class ClusterView:
     def __init__(self) -> None:
         self.instances: dict[str, InstanceView] = {}
         self.kvmeta_address = ""
+        self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -92,7 +94,11 @@ class ClusterView:
 
     def _apply(self, event: InstanceEvent) -> None:
         if event.role == "kvmeta":
-            self.kvmeta_address = event.record["address"] if event.kind == "put" and event.record else ""
+            address = event.record["address"] if event.kind == "put" and event.record else ""
+            if address != self.kvmeta_address and self.kvmeta is not None:
+                asyncio.ensure_future(self.kvmeta.close())
+            self.kvmeta_address = address
+            self.kvmeta = channel(address) if address else None
             return
         if event.role not in WORKER_ROLES:
             return
@@ -108,7 +114,7 @@ class ClusterView:
             event.role,
             event.instance_id,
             record,
-            old.channel if old is not None and same_address else grpc.aio.insecure_channel(record["address"]),
+            old.channel if old is not None and same_address else channel(record["address"]),
             PrefillModel.from_dict(record["cost_model"]["prefill"]),
             DecodeModel.from_dict(record["cost_model"]["decode"]),
         )

@@ -9,6 +9,7 @@ downstream calls, which free their KV.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 from tokenizers import Tokenizer
 
 from engine.block_hash import prefix_block_hashes
@@ -35,12 +37,14 @@ from kvconductor.v1 import (
 from scheduler.booking import Booking, request_blocks
 from scheduler.cost_model import LinkModels, TransferModel
 from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
+from services import metrics
 from services.cluster_view import ClusterView, InstanceView
 from services.config import Config, WorkerConfig
-from services.decisions import DecisionLog, to_decision
+from services.decisions import DecisionLog, decision_attributes, to_decision
 from services.detokenizer import Detokenizer
 from services.prediction_errors import PredictionErrors
 from services.rpc import RpcError, Service
+from services.telemetry import tracer
 
 log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -56,6 +60,7 @@ class Job:
     stop: list[str]
     block_hashes: list[bytes] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
+    path: str = ""  # "disaggregated" or "colocated"
     plan: Plan | None = None
     decision: conductor_pb2.Decision | None = None
 
@@ -88,9 +93,27 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Schedule, run and stream one request."""
         job = self._admit(request)
         disaggregated = self._use_disaggregated(request.deployment)
-        pieces = self._disaggregated(job) if disaggregated else self._colocated(job)
-        async for response in self._relay(job, pieces, request.include_decision):
-            yield response
+        job.path = "disaggregated" if disaggregated else "colocated"
+        span = trace.get_current_span()
+        span.set_attributes(
+            {"kvconductor.request_id": job.request_id, "kvconductor.path": job.path,
+             "kvconductor.prompt_tokens": len(job.prompt), "kvconductor.max_tokens": job.sampling.max_tokens}
+        )  # fmt: skip
+        outcome = "failed"
+        try:
+            pieces = self._disaggregated(job) if disaggregated else self._colocated(job)
+            async for response in self._relay(job, pieces, request.include_decision):
+                yield response
+            outcome = "completed"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except RpcError as e:
+            outcome = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "failed"
+            raise
+        finally:
+            metrics.REQUESTS.labels(job.path, outcome).inc()
+            span.set_attribute("kvconductor.outcome", outcome)
 
     async def ExplainDecision(  # noqa: N802
         self, request: conductor_pb2.ExplainDecisionRequest, context: Any
@@ -181,14 +204,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def _prefix_lens(self, job: Job, pool: list[InstanceView]) -> dict[str, int]:
         """Cached prefix length (tokens) per instance; empty when kvmeta cannot answer (cache-unaware)."""
-        if not job.block_hashes or not self.view.kvmeta_address:
+        if not job.block_hashes or self.view.kvmeta is None:
             return {}
         request = kvmeta_pb2.MatchPrefixRequest(
             block_hashes=job.block_hashes, instance_ids=[v.instance_id for v in pool]
         )
         try:
-            async with grpc.aio.insecure_channel(self.view.kvmeta_address) as channel:
-                response = await kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(request, timeout=1.0)
+            response = await kvmeta_pb2_grpc.KvMetaStub(self.view.kvmeta).MatchPrefix(request, timeout=1.0)
         except grpc.aio.AioRpcError as e:
             log.warning("kvmeta unavailable (%s): scheduling without prefix matches", e.code().name)
             return {}
@@ -197,6 +219,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def _plan(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan:
         """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
+        with tracer.start_as_current_span("conductor.schedule") as span:
+            outcome = await self._decide(job, prefills, decodes)
+            span.set_attributes(decision_attributes(job.decision))
+        if isinstance(outcome, Rejection):
+            log.info("request %s rejected: %s", job.request_id, outcome.reason)
+            metrics.REJECTIONS.labels(outcome.kind).inc()
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
+        log.info("request %s: %s", job.request_id, outcome.reason)
+        job.plan = outcome
+        return outcome
+
+    async def _decide(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan | Rejection:
         colocated = prefills is decodes
         prefix = await self._prefix_lens(job, prefills)
         now = time.monotonic()
@@ -219,11 +253,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )
         job.decision = to_decision(job.request_id, self.policy.config.policy, outcome)
         self.decisions.record(job.decision)
-        if isinstance(outcome, Rejection):
-            log.info("request %s rejected: %s", job.request_id, outcome.reason)
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
-        log.info("request %s: %s", job.request_id, outcome.reason)
-        job.plan = outcome
         return outcome
 
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
@@ -376,13 +405,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     )
                 yield response
                 if final:
-                    self._observe(job, times, completion)
+                    self._observe(job, times, completion, cached)
                     return
         finally:
             await pieces.aclose()
         raise RpcError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")
 
-    def _observe(self, job: Job, times: list[float], completion_tokens: int) -> None:
+    def _observe(self, job: Job, times: list[float], completion_tokens: int, cached_tokens: int) -> None:
         """Record the request's real TTFT and TBT against the plan's predictions."""
         if job.plan is None:
             return
@@ -390,6 +419,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         tbt = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else 0.0
         self.errors.record("ttft", job.plan.prefill.ttft, ttft)
         self.errors.record("tbt", job.plan.tbt, tbt)
+        metrics.TTFT.labels(job.path).observe(ttft)
+        metrics.E2E.labels(job.path).observe(times[-1] - job.arrived)
+        if tbt:
+            metrics.TBT.labels(job.path).observe(tbt)
+        for gap in (b - a for a, b in zip(times[1:], times[2:], strict=False)):
+            metrics.ITL.labels(job.path).observe(gap)
+        metrics.PROMPT_TOKENS.inc(len(job.prompt))
+        metrics.CACHED_TOKENS.inc(cached_tokens)
+        trace.get_current_span().set_attributes(
+            {"kvconductor.ttft_ms": ttft * 1e3, "kvconductor.tbt_ms": tbt * 1e3,
+             "kvconductor.completion_tokens": completion_tokens, "kvconductor.cached_tokens": cached_tokens}
+        )  # fmt: skip
         if job.decision is not None:
             job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
         weight = 0.05

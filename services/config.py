@@ -183,9 +183,15 @@ class GatewayConfig:
 
 @dataclass
 class TelemetryConfig:
-    """``[telemetry]``: logs (tracing and metrics come with their own keys)."""
+    """``[telemetry]``: logs, traces and metrics."""
 
     log_level: str = "info"
+    otlp_endpoint: str = (
+        ""  # OTLP/gRPC collector for traces (e.g. "http://127.0.0.1:4317"); or OTEL_EXPORTER_OTLP_ENDPOINT
+    )
+    trace_dir: str = ""  # without OTLP: JSON-lines span files here (`up` uses <run dir>/traces); empty = none
+    trace_sample_ratio: float = 1.0  # share of new traces recorded (parent-based: all of a request or none)
+    metrics_port: int = 0  # Prometheus /metrics port of each gRPC process (0 = any free; in its etcd record)
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -194,6 +200,8 @@ class TelemetryConfig:
             "[telemetry] log_level",
             'must be "debug", "info", "warning" or "error"',
         )
+        _check(0.0 <= self.trace_sample_ratio <= 1.0, "[telemetry] trace_sample_ratio", "must be in [0, 1]")
+        _check(0 <= self.metrics_port <= 65535, "[telemetry] metrics_port", "must be in 0..65535")
 
 
 @dataclass

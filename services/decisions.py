@@ -6,7 +6,10 @@ Kept for the most recent requests (accepted and rejected), so ``kvconductor expl
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+
+from google.protobuf.json_format import MessageToDict
 
 from kvconductor.v1 import conductor_pb2
 from scheduler.policy import Plan, PrefillEstimate, Rejection
@@ -53,6 +56,18 @@ def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> cond
         )
     )
     return decision
+
+
+def decision_attributes(decision: conductor_pb2.Decision | None) -> dict[str, str | int | float | bool]:
+    """The decision as span attributes (``kvconductor.decision.*``), candidates as JSON."""
+    if decision is None:
+        return {}
+    fields = MessageToDict(decision, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    candidates = fields.pop("candidates", [])
+    fields.pop("outcome", None)
+    attributes = {f"kvconductor.decision.{k}": v for k, v in fields.items() if isinstance(v, str | int | float | bool)}
+    attributes["kvconductor.decision.candidates"] = json.dumps(candidates)
+    return attributes
 
 
 class DecisionLog:

@@ -22,9 +22,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from engine.llm_engine import LLMEngine
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services import metrics
 from services.engine_loop import next_output
 from services.rpc import RpcError, Service
 from services.worker import FINISH_REASONS, Worker, sampling_from_proto
@@ -76,6 +78,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         num_blocks = w.num_kv_blocks(len(prompt))
         w.counters.blocks_received += num_blocks
         w.counters.bytes_received += num_blocks * w.engine.kv_pool.bytes_per_block
+        metrics.KV_BYTES.labels("received").inc(num_blocks * w.engine.kv_pool.bytes_per_block)
+        span = trace.get_current_span()
+        gaps: list[float] = []
+        last = time.monotonic()
         outputs = w.loop.open(rid)
         finished = False
         try:
@@ -88,8 +94,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if finished:
                     return
                 out = await next_output(outputs)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
         finally:
             w.loop.close(rid)
+            span.set_attributes(_tbt_attributes(gaps))
             if not finished:
                 await w.loop.call(lambda e: e.abort(rid))
 
@@ -110,6 +120,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
                 del self.reservations[rid]
                 await self.worker.loop.call(functools.partial(LLMEngine.abort, request_id=rid))
+
+
+def _tbt_attributes(gaps: list[float]) -> dict[str, float | int]:
+    if not gaps:
+        return {"kvconductor.decode.steps": 0}
+    ordered = sorted(gaps)
+    return {
+        "kvconductor.decode.steps": len(gaps),
+        "kvconductor.decode.tbt_mean_ms": sum(gaps) / len(gaps) * 1e3,
+        "kvconductor.decode.tbt_p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
+        "kvconductor.decode.tbt_max_ms": ordered[-1] * 1e3,
+    }
 
 
 def services(worker: Worker) -> tuple[list[Service], DecodeServicer]:

@@ -23,8 +23,11 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from services import metrics
 from services.chat_template import ChatTemplate
 from services.config import Config
 from services.openai_protocol import (
@@ -34,6 +37,8 @@ from services.openai_protocol import (
     SamplingFields,
     error_body,
 )
+from services.rpc import channel
+from services.telemetry import extract_context, tracer
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {
@@ -45,6 +50,7 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 def _error(status: int, message: str, param: str | None = None, request_id: str = "") -> JSONResponse:
@@ -70,7 +76,7 @@ class Gateway:
     def channel(self) -> grpc.aio.Channel:
         """The channel to the Conductor, made on first use inside the server's event loop."""
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.config.cluster.scheduler_endpoint)
+            self._channel = channel(self.config.cluster.scheduler_endpoint)
         return self._channel
 
     @property
@@ -139,13 +145,26 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error(500, f"internal error: {type(exc).__name__}")
 
 
-async def _limit_body(request: Request, call_next: Any) -> Response:
-    limit = _gateway(request).config.gateway.max_request_bytes
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        return _error(413, f"request body exceeds {limit} bytes")
-    response: Response = await call_next(request)
+async def _around_request(request: Request, call_next: Any) -> Response:
+    """Every request: a server span continued from the caller's trace context, the size limit, metrics."""
+    route = request.url.path if request.url.path in ROUTES else "other"
+    parent = extract_context(dict(request.headers))
+    with tracer.start_as_current_span(f"{request.method} {route}", context=parent, kind=SpanKind.SERVER) as span:
+        limit = _gateway(request).config.gateway.max_request_bytes
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limit:
+            response: Response = _error(413, f"request body exceeds {limit} bytes")
+        else:
+            response = await call_next(request)
+        span.set_attribute("http.response.status_code", response.status_code)
+    metrics.HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
     return response
+
+
+@router.get("/metrics")
+async def prometheus_metrics() -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health")
@@ -197,7 +216,7 @@ def create_app(config: Config) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.middleware("http")(_limit_body)
+    app.middleware("http")(_around_request)
     app.include_router(router)
     return app
 

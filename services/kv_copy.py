@@ -27,6 +27,7 @@ import grpc
 
 from engine.llm_engine import LLMEngine
 from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
+from services.rpc import channel
 from services.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,8 @@ async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], sourc
     first, last = copy.num_own, copy.num_own + len(copy.targets)
     timeout = worker.config.cluster.kv_transfer_timeout_s
     start = time.perf_counter()
-    async with grpc.aio.insecure_channel(source.address) as channel:
-        stub = prefill_pb2_grpc.PrefillStub(channel)
+    async with channel(source.address) as source_channel:
+        stub = prefill_pb2_grpc.PrefillStub(source_channel)
         try:
             exported = await stub.ExportBlocks(
                 prefill_pb2.ExportBlocksRequest(

@@ -15,6 +15,7 @@ import grpc
 
 from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
 from services.registry import Registry
+from services.rpc import channel
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class KvEventPublisher:
             instances = await asyncio.to_thread(self.registry.list, "kvmeta")
             if not instances:
                 return None
-            self._channel = grpc.aio.insecure_channel(next(iter(instances.values()))["address"])
+            self._channel = channel(next(iter(instances.values()))["address"])
             self._resync = True
         return kvmeta_pb2_grpc.KvMetaStub(self._channel)
 

@@ -64,6 +64,17 @@ class KVStreamer:
         if self._last is not None:
             await self._last
 
+    def attributes(self, exposed_seconds: float) -> dict[str, int | float | str]:
+        """Span attributes of the whole transfer."""
+        return {
+            "kvconductor.kv.bytes": self.bytes,
+            "kvconductor.kv.blocks": self.blocks,
+            "kvconductor.kv.seconds": self.seconds,
+            "kvconductor.kv.exposed_seconds": exposed_seconds,
+            "kvconductor.kv.gbps": self.bytes / self.seconds / 1e9 if self.seconds else 0.0,
+            "kvconductor.kv.destination": self.destination.transfer_endpoint,
+        }
+
     async def settle(self) -> None:
         """Wait for queued writes whatever happens, ignoring their errors (cleanup after a failure)."""
         if self._last is not None:

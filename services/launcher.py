@@ -65,6 +65,7 @@ class Cluster:
             self._ensure_model()
             self._start_etcd()
             self._resolve_ports()
+            self._default_trace_dir()
             for role, instance_id in self._plan():
                 self._spawn(role, instance_id)
             self._wait_ready()
@@ -102,6 +103,10 @@ class Cluster:
         self.etcd = EmbeddedEtcd(client_port=self.config.cluster.etcd_port, run_dir=self.run_dir)
         self.etcd.start()
         self._override("cluster.etcd_endpoints", f'["{self.etcd.endpoint}"]')
+
+    def _default_trace_dir(self) -> None:
+        if not self.config.telemetry.trace_dir and not self.config.telemetry.otlp_endpoint:
+            self._override("telemetry.trace_dir", f'"{self.run_dir / "traces"}"')
 
     def _resolve_ports(self) -> None:
         host, _, port = self.config.cluster.scheduler_endpoint.rpartition(":")

@@ -10,6 +10,7 @@ import statistics
 from collections import deque
 
 from kvconductor.v1 import conductor_pb2
+from services.metrics import PREDICTION_ERROR
 
 METRICS = ("ttft", "tbt", "kv_send", "kv_copy")
 
@@ -24,6 +25,7 @@ class PredictionErrors:
         """Add one pair (seconds); ignored when nothing was measured."""
         if actual > 0:
             self._pairs[metric].append((predicted, actual))
+            PREDICTION_ERROR.labels(metric).observe(abs(predicted - actual) / actual)
 
     def median_relative_error(self, metric: str) -> float | None:
         """Median |predicted - actual| / actual, or None without samples."""

@@ -22,10 +22,12 @@ from engine.block_hash import prefix_block_hashes
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services import metrics
 from services.engine_loop import next_output
 from services.kv_copy import Exports, PrefixCopy, pull_prefix
 from services.kv_stream import KVStreamer
 from services.rpc import Service
+from services.telemetry import tracer
 from services.worker import Worker, sampling_from_proto
 
 
@@ -47,17 +49,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         streamer = KVStreamer(w.transfer, w.engine.kv_pool, destination)
         finished = False
         try:
-            copy = await self._copy_prefix(request, prompt)
-            await w.loop.call(lambda e: self._add(e, rid, prompt, params, copy))
-            out = await next_output(outputs)
-            while not out.finished:  # a chunk is done: send its complete blocks while the next computes
-                streamer.send_upto(out.block_ids, out.num_computed_tokens // w.engine.kv_pool.block_size)
+            with tracer.start_as_current_span("prefill.kv_copy") as span:
+                copy = await self._copy_prefix(request, prompt)
+                span.set_attributes(_copy_attributes(request, copy))
+            with tracer.start_as_current_span("prefill.compute") as span:
+                await w.loop.call(lambda e: self._add(e, rid, prompt, params, copy))
                 out = await next_output(outputs)
-            finished = True
-            prefill_seconds = time.perf_counter() - start
-            streamer.send_upto(out.block_ids, len(destination.block_addresses))
-            await streamer.finish()
-            exposed_seconds = time.perf_counter() - start - prefill_seconds
+                while not out.finished:  # a chunk is done: send its complete blocks while the next computes
+                    streamer.send_upto(out.block_ids, out.num_computed_tokens // w.engine.kv_pool.block_size)
+                    out = await next_output(outputs)
+                finished = True
+                prefill_seconds = time.perf_counter() - start
+                span.set_attributes({"kvconductor.prompt_tokens": len(prompt),
+                                     "kvconductor.cached_tokens": out.num_cached_tokens,
+                                     "kvconductor.computed_tokens": len(prompt) - out.num_cached_tokens})  # fmt: skip
+            with tracer.start_as_current_span("prefill.kv_transfer") as span:
+                streamer.send_upto(out.block_ids, len(destination.block_addresses))
+                await streamer.finish()
+                exposed_seconds = time.perf_counter() - start - prefill_seconds
+                span.set_attributes(streamer.attributes(exposed_seconds))
         finally:
             await streamer.settle()  # no write may land in the decode worker's blocks after we answer
             w.loop.close(rid)
@@ -67,6 +77,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await w.loop.call(lambda e: e.abort(rid))
         w.counters.bytes_sent += streamer.bytes
         w.counters.blocks_sent += streamer.blocks
+        metrics.observe_transfer("send", "sent", streamer.bytes, streamer.seconds)
+        if copy is not None and copy.bytes:
+            metrics.observe_transfer("copy", "copied_in", copy.bytes, copy.seconds)
         await w.publish_kv_events()
         return prefill_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0],
@@ -135,6 +148,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             e.add_request(rid, prompt, params, prefill_only=True)
         finally:
             copy.unpin_held(e)
+
+
+def _copy_attributes(request: prefill_pb2.PrefillRequest, copy: PrefixCopy | None) -> dict[str, str | int | float]:
+    if copy is None:
+        return {"kvconductor.copy.planned": 0}
+    gbps = copy.bytes / copy.seconds / 1e9 if copy.seconds else 0.0
+    return {
+        "kvconductor.copy.planned": request.copy_num_blocks,
+        "kvconductor.copy.source": request.copy_source.instance_id,
+        "kvconductor.copy.own_blocks": copy.num_own,
+        "kvconductor.copy.copied_blocks": copy.num_copied,
+        "kvconductor.copy.bytes": copy.bytes,
+        "kvconductor.copy.seconds": copy.seconds,
+        "kvconductor.copy.gbps": gbps,
+        "kvconductor.copy.note": copy.note,
+    }
 
 
 def services(worker: Worker) -> tuple[list[Service], PrefillServicer]:

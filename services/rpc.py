@@ -1,12 +1,14 @@
-"""One way to run every gRPC service: errors mapped to status codes, health, reflection, etcd, shutdown.
+"""One way to run every gRPC service and call it: errors, tracing, health, reflection, metrics, etcd, shutdown.
 
 Lifecycle of :func:`serve`::
 
-    bind (port 0 = any) -> health SERVING -> register in etcd under a lease -> ... SIGTERM/SIGINT ->
-    health NOT_SERVING -> revoke the lease -> server.stop(grace) -> on_stop()
+    bind (port 0 = any) -> /metrics -> health SERVING -> register in etcd under a lease -> ...
+    SIGTERM/SIGINT -> health NOT_SERVING -> revoke the lease -> server.stop(grace) -> on_stop()
 
 Handlers raise :class:`RpcError` (or ``ValueError`` for bad input) and never build status codes by hand;
-anything else becomes INTERNAL with a short message, logged here with its stack trace, never sent.
+anything else becomes INTERNAL with a short message, logged here with its stack trace, never sent. Every
+call runs in a server span continued from the caller's trace context; channels made by :func:`channel`
+send the current context with every call.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +25,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode, get_current_span
 
+from services.metrics import serve_metrics
 from services.registry import Registry
+from services.telemetry import extract_context, inject_metadata, tracer
 
 log = logging.getLogger(__name__)
+TRACE_ROOTS = frozenset({"kvconductor.v1.Conductor/Generate"})  # methods that start a trace if none came
 
 
 class RpcError(Exception):
@@ -50,7 +57,7 @@ def _status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions escaping handlers to status codes (unary and server-streaming)."""
+    """Runs handlers in a server span and maps exceptions escaping them to status codes."""
 
     async def intercept_service(
         self,
@@ -61,44 +68,95 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
+        method = handler_call_details.method.lstrip("/")
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
+                _wrap_unary(handler.unary_unary, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
+                _wrap_stream(handler.unary_stream, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
 
 
-def _wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _span(method: str, context: grpc.aio.ServicerContext) -> Any:
+    """A server span continuing the caller's trace; only the public API starts new traces.
+
+    Background calls (KV-event heartbeats, load polls, health) arrive without a trace context and are
+    not traced, so the trace backend holds requests, not housekeeping.
+    """
+    parent = extract_context(context.invocation_metadata() or ())
+    if method not in TRACE_ROOTS and not get_current_span(parent).get_span_context().is_valid:
+        return nullcontext(INVALID_SPAN)
+    return tracer.start_as_current_span(method, context=parent, kind=SpanKind.SERVER, record_exception=False)
+
+
+def _fail(span: Any, error: BaseException) -> tuple[grpc.StatusCode, str]:
+    code, message = _status_of(error)
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_status(Status(StatusCode.ERROR, message))
+    return code, message
+
+
+def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behavior(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the boundary that turns errors into status codes
-            await context.abort(*_status_of(e))
+        with _span(method, context) as span:
+            try:
+                return await behavior(request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the boundary that turns errors into status codes
+                await context.abort(*_fail(span, e))
 
     return wrapped
 
 
-def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for item in behavior(request, context):
-                yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:  # noqa: BLE001
-            await context.abort(*_status_of(e))
+        with _span(method, context) as span:
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as e:  # noqa: BLE001
+                await context.abort(*_fail(span, e))
 
     return wrapped
+
+
+def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    metadata = [*(details.metadata or ()), *inject_metadata()]
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+# Two classes: grpc.aio files an interceptor under the first call type it implements only.
+class _UnaryTraceContext(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the current trace context to unary calls."""
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        """Unary calls."""
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _StreamTraceContext(grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the current trace context to server-streaming calls."""
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        """Server-streaming calls."""
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """A channel to a kvconductor service that propagates the trace context."""
+    return grpc.aio.insecure_channel(address, interceptors=[_UnaryTraceContext(), _StreamTraceContext()])
 
 
 @dataclass
@@ -118,11 +176,15 @@ async def serve(
     registry: Registry | None = None,
     role: str = "",
     instance_id: str = "",
-    record: Callable[[str], dict[str, Any]] | None = None,
+    record: Callable[[str, str], dict[str, Any]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
+    metrics_port: int | None = 0,
 ) -> None:
-    """Serve until SIGTERM/SIGINT; ``record(address)`` builds the etcd record once the port is known."""
+    """Serve until SIGTERM/SIGINT; ``record(address, metrics_address)`` builds the etcd record.
+
+    ``/metrics`` is served on ``metrics_port`` (0 = any free; None = not at all).
+    """
     services = list(services)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     health = health_aio.HealthServicer()
@@ -139,8 +201,9 @@ async def serve(
     try:
         for name in ["", *names]:
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics_address = serve_metrics(host, metrics_port) if metrics_port is not None else ""
         if registry is not None and record is not None:
-            await asyncio.to_thread(registry.register, role, instance_id, record(address))
+            await asyncio.to_thread(registry.register, role, instance_id, record(address, metrics_address))
         log.info("%s %s serving on %s", role or "service", instance_id, address)
         await _wait_for_signal()
         log.info("%s %s shutting down", role or "service", instance_id)

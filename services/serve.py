@@ -12,6 +12,7 @@ import logging
 from services.config import Config
 from services.registry import InstanceEvent, Registry
 from services.rpc import serve
+from services.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 ROLES = ("kvmeta", "conductor", "prefill", "decode", "colocated", "gateway")
@@ -37,7 +38,8 @@ async def run_kvmeta(config: Config, instance_id: str) -> None:
     registry.watch(on_event)
     await serve(
         kvmeta.services(servicer), config.cluster.host, 0, registry=registry, role="kvmeta",
-        instance_id=instance_id, record=lambda address: {"role": "kvmeta", "address": address},
+        instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
+        record=lambda address, metrics: {"role": "kvmeta", "address": address, "metrics_address": metrics},
     )  # fmt: skip
 
 
@@ -55,7 +57,8 @@ async def run_conductor(config: Config, instance_id: str) -> None:
     host, _, port = config.cluster.scheduler_endpoint.rpartition(":")
     await serve(
         conductor.services(servicer), host, int(port), registry=registry, role="conductor",
-        instance_id=instance_id, record=lambda address: {"role": "conductor", "address": address},
+        instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
+        record=lambda address, metrics: {"role": "conductor", "address": address, "metrics_address": metrics},
     )  # fmt: skip
 
 
@@ -86,7 +89,7 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
 
     await serve(
         services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
-        record=worker.record, on_stop=on_stop,
+        record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
     )  # fmt: skip
 
 
@@ -94,13 +97,17 @@ def run(config: Config, role: str, instance_id: str) -> None:
     """Run one role until SIGTERM/SIGINT."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (one of: {', '.join(ROLES)})")
-    if role == "gateway":
-        from services.gateway import run_gateway
+    provider = setup_tracing(config.telemetry, role, instance_id)
+    try:
+        if role == "gateway":
+            from services.gateway import run_gateway
 
-        run_gateway(config)
-    elif role == "kvmeta":
-        asyncio.run(run_kvmeta(config, instance_id))
-    elif role == "conductor":
-        asyncio.run(run_conductor(config, instance_id))
-    else:
-        asyncio.run(run_worker(config, role, instance_id))
+            run_gateway(config)
+        elif role == "kvmeta":
+            asyncio.run(run_kvmeta(config, instance_id))
+        elif role == "conductor":
+            asyncio.run(run_conductor(config, instance_id))
+        else:
+            asyncio.run(run_worker(config, role, instance_id))
+    finally:
+        provider.shutdown()  # flushes the spans still buffered

@@ -24,6 +24,7 @@ from services.config import Config, WorkerConfig
 from services.cost_refiner import CostRefiner
 from services.engine_loop import EngineLoop
 from services.kv_events import KvEventPublisher
+from services.metrics import register_engine
 from services.profiler import profile_engine
 from services.registry import Registry
 from services.rpc import Service
@@ -60,6 +61,7 @@ class Worker:
     counters: KvCounters = field(default_factory=KvCounters)
     num_reserved: Callable[[], int] = lambda: 0
     address: str = ""  # set when the server is bound
+    metrics_address: str = ""
 
     @property
     def engine(self) -> LLMEngine:
@@ -70,14 +72,15 @@ class Worker:
         """KV blocks holding ``num_tokens`` tokens (the last one may be partial)."""
         return math.ceil(num_tokens / self.engine.kv_pool.block_size)
 
-    def record(self, address: str) -> dict[str, Any]:
+    def record(self, address: str, metrics_address: str) -> dict[str, Any]:
         """The etcd record describing this instance."""
-        self.address = address
+        self.address, self.metrics_address = address, metrics_address
         pool, model = self.engine.kv_pool, self.engine.config
         return {
             "role": self.role,
             "instance_id": self.instance_id,
             "address": address,
+            "metrics_address": metrics_address,
             "transfer_endpoint": self.transfer.endpoint,
             "model": self.config.model.name,
             "block_size": pool.block_size,
@@ -119,7 +122,7 @@ class Worker:
             if models is None or not self.address:
                 continue
             self.prefill_model, self.decode_model = models
-            await asyncio.to_thread(self.registry.update, self.record(self.address))
+            await asyncio.to_thread(self.registry.update, self.record(self.address, self.metrics_address))
 
     async def close(self) -> None:
         """Stop the engine thread and the event publisher."""
@@ -151,6 +154,7 @@ def build_worker(config: Config, role: str, instance_id: str, registry: Registry
     engine.pop_kv_events()  # the profile's blocks are not worth announcing
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
+    register_engine(engine)
     return Worker(
         role, instance_id, config, pool_config, EngineLoop(engine, on_step=refiner.observe), transfer, registry,
         events, refiner, prefill_model, decode_model,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import subprocess
@@ -247,3 +248,20 @@ def test_long_prompt_streams_its_kv_during_prefill(cluster, model_dir):
     engine = LLMEngine(model_dir, num_blocks=256)
     expected = generate(engine, prompt, SamplingParams(max_tokens=helpers.MAX_TOKENS, temperature=0.0, ignore_eos=True))
     assert tokens == expected
+
+
+def test_python_client_and_generate_cluster_command(cluster):
+    from services.client import ConductorClient
+
+    with ConductorClient(cluster.conductor) as client:
+        result = client.complete(list(range(10, 60)), max_tokens=5, ignore_eos=True, include_decision=True)
+        assert len(result.token_ids) == 5 and result.finish_reason == "length"
+        assert result.usage.prompt_tokens == 50 and result.decision.prefill_instance.startswith("prefill-")
+        assert client.explain(result.request_id).request_id == result.request_id
+        with pytest.raises(grpc.RpcError) as missing:
+            client.explain("no-such-request")
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    out = _cli(cluster, "generate", "--cluster", "--prompt", "hello there", "--max-tokens", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["usage"]["completion_tokens"] <= 4 and reply["prefill_instance"].startswith("prefill-")

@@ -1,0 +1,94 @@
+"""Prometheus metrics of every process (text format on ``/metrics``); the README lists them.
+
+The series live in the default registry of each process: the Conductor's request series, the workers'
+KV-transfer series and a collector that reads the engine's live load at scrape time, the gateway's HTTP
+series. gRPC processes serve ``/metrics`` on their own port (published in their etcd record); the
+gateway serves it beside the REST API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import REGISTRY, Collector
+
+if TYPE_CHECKING:  # the Conductor, kvmeta and the gateway must not import torch
+    from engine.llm_engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+# The Conductor: per request.
+REQUESTS = Counter("kvconductor_requests", "Requests by serving path and outcome", ["path", "outcome"])
+REJECTIONS = Counter("kvconductor_rejections", "SLO and capacity rejections by reason", ["reason"])
+TTFT = Histogram("kvconductor_ttft_seconds", "Time to first token at the Conductor", ["path"], buckets=LATENCY_BUCKETS)
+TBT = Histogram("kvconductor_tbt_seconds", "Mean time between tokens of a request", ["path"], buckets=GAP_BUCKETS)
+ITL = Histogram("kvconductor_itl_seconds", "Gaps between consecutive token messages", ["path"], buckets=GAP_BUCKETS)
+E2E = Histogram("kvconductor_e2e_seconds", "Request latency, arrival to last token", ["path"], buckets=LATENCY_BUCKETS)
+PROMPT_TOKENS = Counter("kvconductor_prompt_tokens", "Prompt tokens of admitted requests")
+CACHED_TOKENS = Counter("kvconductor_cached_prompt_tokens", "Prompt tokens whose KV was reused (prefix cache or copy)")
+PREDICTION_ERROR = Histogram(
+    "kvconductor_prediction_relative_error",
+    "Cost-model error |predicted - actual| / actual",
+    ["metric"],
+    buckets=ERROR_BUCKETS,
+)
+
+# Workers: KV movement through the transfer engine.
+KV_BYTES = Counter("kvconductor_kv_transfer_bytes", "KV bytes moved by the transfer engine", ["direction"])
+KV_SECONDS = Histogram("kvconductor_kv_transfer_seconds", "Duration of one KV transfer", ["kind"], buckets=GAP_BUCKETS)
+KV_GBPS = Histogram(
+    "kvconductor_kv_transfer_gbps",
+    "Bandwidth of one KV transfer, GB/s",
+    ["kind"],
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10),
+)
+
+# The gateway.
+HTTP_REQUESTS = Counter("kvconductor_http_requests", "REST requests by route and status", ["route", "status"])
+
+
+def observe_transfer(kind: str, direction: str, num_bytes: int, seconds: float) -> None:
+    """Record one KV transfer (kind: send / copy; direction: sent / copied_in; decode counts "received")."""
+    KV_BYTES.labels(direction).inc(num_bytes)
+    KV_SECONDS.labels(kind).observe(seconds)
+    if seconds > 0:
+        KV_GBPS.labels(kind).observe(num_bytes / seconds / 1e9)
+
+
+class EngineCollector(Collector):
+    """The engine's load and prefix-cache counters, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        """One snapshot."""
+        stats = self.engine.stats()
+        free, total = self.engine.num_free_blocks, self.engine.kv_pool.num_blocks
+        queue = GaugeMetricFamily("kvconductor_queue_length", "Requests in the engine by state", labels=["state"])
+        queue.add_metric(["waiting"], stats.num_waiting)
+        queue.add_metric(["running"], stats.num_running)
+        blocks = GaugeMetricFamily("kvconductor_kv_blocks", "KV blocks by state", labels=["state"])
+        blocks.add_metric(["free"], free)
+        blocks.add_metric(["used"], total - free)
+        queried = CounterMetricFamily("kvconductor_prefix_cache_query_tokens", "Prompt tokens looked up")
+        queried.add_metric([], stats.prefix_cache_query_tokens)
+        hits = CounterMetricFamily("kvconductor_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
+        hits.add_metric([], stats.prefix_cache_hit_tokens)
+        yield from (queue, blocks, queried, hits)
+
+
+def serve_metrics(host: str, port: int) -> str:
+    """Serve ``/metrics`` from a background thread; returns "host:port"."""
+    server, _ = start_http_server(port, addr=host)
+    return f"{host}:{server.server_port}"
+
+
+def register_engine(engine: LLMEngine) -> None:
+    """Expose an engine's live load."""
+    REGISTRY.register(EngineCollector(engine))

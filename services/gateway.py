@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,7 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tokenizers import Tokenizer
 
+from engine.config import ModelConfig
+from engine.tokenizer import load_tokenizer
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from services import metrics
 from services.chat_template import ChatTemplate
@@ -35,6 +39,7 @@ from services.openai_protocol import (
     CompletionRequest,
     OpenAIError,
     SamplingFields,
+    TokenizeRequest,
     error_body,
 )
 from services.rpc import channel
@@ -50,7 +55,7 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/tokenize", "/get_load", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 def _error(status: int, message: str, param: str | None = None, request_id: str = "") -> JSONResponse:
@@ -71,6 +76,8 @@ class Gateway:
         self.template = ChatTemplate(config.model.path)
         self.keys = [k.encode() for k in config.gateway.api_keys]
         self._channel: grpc.aio.Channel | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._max_model_len = 0
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -78,6 +85,14 @@ class Gateway:
         if self._channel is None:
             self._channel = channel(self.config.cluster.scheduler_endpoint)
         return self._channel
+
+    def tokenizer(self) -> tuple[Tokenizer, int]:
+        """The served model's tokenizer and context length (loaded on first use)."""
+        if self._tokenizer is None:
+            raw = json.loads((Path(self.config.model.path) / "config.json").read_text())
+            self._tokenizer = load_tokenizer(self.config.model.path)
+            self._max_model_len = ModelConfig.from_hf_config(raw, self.model).max_model_len
+        return self._tokenizer, self._max_model_len
 
     @property
     def conductor(self) -> conductor_pb2_grpc.ConductorStub:
@@ -187,6 +202,30 @@ async def models(request: Request) -> JSONResponse:
     gateway.check_key(request)
     card = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "kvconductor"}
     return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids of a prompt, as a vLLM server answers (routers use it for prefix affinity)."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    if body.model is not None and body.model != gateway.model:
+        raise OpenAIError(404, f"model {body.model!r} does not exist", "not_found_error", "model", "model_not_found")
+    tokenizer, max_model_len = gateway.tokenizer()
+    tokens = tokenizer.encode(body.prompt, add_special_tokens=False).ids
+    return JSONResponse({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens})
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> JSONResponse:
+    """Requests in flight behind this endpoint (for routers' load-based policies)."""
+    gateway = _gateway(request)
+    try:
+        status = await gateway.conductor.GetStatus(conductor_pb2.GetStatusRequest(), timeout=2.0)
+    except grpc.aio.AioRpcError as e:
+        return _grpc_error(e, "")
+    running = sum(i.num_running for i in status.instances)
+    return JSONResponse({"load": running, "num_running": running, "num_instances": len(status.instances)})
 
 
 @router.post("/v1/completions")

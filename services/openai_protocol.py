@@ -114,6 +114,15 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens or 0
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's extension)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """An OpenAI error body for a status code."""
     kinds = {

@@ -180,10 +180,12 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
     metrics_port: int | None = 0,
+    on_bound: Callable[[str], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; ``record(address, metrics_address)`` builds the etcd record.
 
-    ``/metrics`` is served on ``metrics_port`` (0 = any free; None = not at all).
+    ``/metrics`` is served on ``metrics_port`` (0 = any free; None = not at all). ``on_bound(address)``
+    runs once the server listens, before the instance registers.
     """
     services = list(services)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
@@ -202,6 +204,8 @@ async def serve(
         for name in ["", *names]:
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         metrics_address = serve_metrics(host, metrics_port) if metrics_port is not None else ""
+        if on_bound is not None:
+            await on_bound(address)
         if registry is not None and record is not None:
             await asyncio.to_thread(registry.register, role, instance_id, record(address, metrics_address))
         log.info("%s %s serving on %s", role or "service", instance_id, address)

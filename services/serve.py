@@ -66,11 +66,13 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
     """Serve a prefill, decode or colocated engine worker."""
     from services import colocated, decode, prefill
     from services.worker import build_worker
+    from services.worker_http import WorkerEndpoint
 
     registry = _registry(config)
     worker = build_worker(config, role, instance_id, registry)
     worker.loop.start()
     background = [asyncio.create_task(worker.refine_cost_models())]
+    endpoint: WorkerEndpoint | None = None  # colocated workers also speak the OpenAI API themselves
     if role != "decode":  # decode workers do not cache prefixes
         background.append(asyncio.create_task(worker.heartbeat_kv_events()))
     if role == "prefill":
@@ -80,16 +82,20 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
         services, decoder = decode.services(worker)
         background.append(asyncio.create_task(decoder.expire_reservations()))
     else:
-        services = colocated.services(worker)
+        endpoint = WorkerEndpoint(worker)
+        services = [*colocated.services(worker), *endpoint.services()]
 
     async def on_stop() -> None:
         for task in background:
             task.cancel()
+        if endpoint is not None:
+            endpoint.stop()
         await worker.close()
 
     await serve(
         services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
         record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
+        on_bound=endpoint.start if endpoint is not None else None,
     )  # fmt: skip
 
 

@@ -62,6 +62,7 @@ class Worker:
     num_reserved: Callable[[], int] = lambda: 0
     address: str = ""  # set when the server is bound
     metrics_address: str = ""
+    extra_record: dict[str, Any] = field(default_factory=dict)  # e.g. the colocated worker's openai_url
 
     @property
     def engine(self) -> LLMEngine:
@@ -97,6 +98,7 @@ class Worker:
             "max_num_batched_tokens": self.pool_config.max_num_batched_tokens,
             "max_concurrent_requests": self.pool_config.max_concurrent_requests,
             "cost_model": {"prefill": self.prefill_model.to_dict(), "decode": self.decode_model.to_dict()},
+            **self.extra_record,
         }
 
     def services(self) -> list[Service]:

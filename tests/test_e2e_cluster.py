@@ -265,3 +265,30 @@ def test_python_client_and_generate_cluster_command(cluster):
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert reply["usage"]["completion_tokens"] <= 4 and reply["prefill_instance"].startswith("prefill-")
+
+
+def test_colocated_worker_serves_the_openai_api_itself(cluster):
+    """What third-party routers need from a worker: health, models, streaming completions, tokenize, load."""
+    from services.registry import Registry
+
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        url = registry.list("colocated")[("colocated", "colocated-0")]["openai_url"]
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    router_fields = {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
+    stream = client.completions.create(
+        model="tiny-llama",
+        prompt="Hello worker",
+        max_tokens=5,
+        stream=True,
+        extra_body={"ignore_eos": True, **router_fields},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": "tiny-llama", "prompt": "Hello"}, timeout=10).json()
+    assert tokenized == {"count": 5, "max_model_len": 4096, "tokens": list(b"Hello")}
+    assert httpx.get(f"{url}/get_load", timeout=10).json()["load"] == 0

@@ -142,7 +142,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
         ]
         return conductor_pb2.GetStatusResponse(
-            instances=instances, model=self.config.model.name, prediction_errors=self.errors.summary()
+            instances=instances,
+            model=self.config.model.name,
+            prediction_errors=self.errors.summary(),
+            latencies=self.errors.latencies(),
         )
 
     # -- admission -------------------------------------------------------------------------------

@@ -34,6 +34,17 @@ class PredictionErrors:
             return None
         return statistics.median(abs(p - a) / a for p, a in pairs)
 
+    def latencies(self) -> list[conductor_pb2.LatencyPercentiles]:
+        """Percentiles of the measured TTFT and TBT of recent requests."""
+        out = []
+        for metric in ("ttft", "tbt"):
+            actual = sorted(a for _, a in self._pairs[metric])
+            if actual:
+                pick = [actual[min(len(actual) - 1, int(len(actual) * q))] * 1e3 for q in (0.5, 0.9, 0.99)]
+                out.append(conductor_pb2.LatencyPercentiles(metric=metric, samples=len(actual), p50_ms=pick[0],
+                                                            p90_ms=pick[1], p99_ms=pick[2]))  # fmt: skip
+        return out
+
     def summary(self) -> list[conductor_pb2.PredictionError]:
         """One message per metric with samples."""
         out = []

@@ -12,6 +12,7 @@ from services.config import Config
 COLUMNS = (
     "role",
     "instance",
+    "health",
     "address",
     "free/total blocks",
     "running",
@@ -26,16 +27,17 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
     try:
         with grpc.insecure_channel(instance.address) as channel:
             load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+        health = "ok"
         blocks = f"{load.num_free_blocks}/{load.num_total_blocks}"
         queried = load.prefix_cache_query_tokens
         hit_rate = f"{load.prefix_cache_hit_tokens / queried:.1%}" if queried else "-"
         running = str(load.num_running)
     except grpc.RpcError as e:
-        blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-"
+        health, blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-", "-"
     model = record["cost_model"]
     costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model["prefill"])
     costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model["decode"])
-    return (instance.role, instance.instance_id, instance.address, blocks, running, hit_rate,
+    return (instance.role, instance.instance_id, health, instance.address, blocks, running, hit_rate,
             f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
 
 
@@ -49,6 +51,9 @@ def print_status(config: Config) -> int:
         return 1
     print(f"model: {status.model}")
     _table([COLUMNS, *(_row(i) for i in status.instances)])
+    for lat in status.latencies:
+        print(f"recent {lat.metric.upper()} (n={lat.samples}): p50 {lat.p50_ms:.1f} ms, p90 {lat.p90_ms:.1f} ms, "
+              f"p99 {lat.p99_ms:.1f} ms")  # fmt: skip
     if status.prediction_errors:
         errors = ", ".join(
             f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors

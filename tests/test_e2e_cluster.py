@@ -228,6 +228,7 @@ def test_explain_and_status_commands(cluster):
     for instance in ("prefill-0", "prefill-1", "decode-0", "colocated-0"):
         assert instance in status.stdout
     assert "cost-model median relative error: ttft" in status.stdout
+    assert "recent TTFT" in status.stdout and "ok" in status.stdout
 
 
 def test_long_prompt_streams_its_kv_during_prefill(cluster, model_dir):

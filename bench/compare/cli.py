@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_slo_arguments(p, ttft=2000.0, tpot=200.0)  # the config's max_ttft_ms and max_tbt_ms  # fmt: skip
 
 
+def git_state() -> str:
+    """HEAD and whether the working tree had changes: the code the clusters ran."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
 def _labelled(measurements: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``{"colocated c=1": summary, "disaggregated c=1": summary, ...}``, levels interleaved."""
     levels = next(iter(measurements.values()))["levels"]
@@ -64,17 +75,18 @@ def _labelled(measurements: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
 
 def compare(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]:
     """Both clusters, one after the other; writes the outputs; the JSON record."""
-    t0 = time.monotonic()
+    t0, code = time.monotonic(), git_state()
     measurements = {
         name: measure(args, name, overrides, args.concurrency, root / name)
         for name, overrides in (("colocated", COLOCATED), ("disaggregated", DISAGGREGATED))
     }
     runs = _labelled(measurements)
-    record = {"kind": "compare", "wall_s": time.monotonic() - t0, "table": runs, "clusters": measurements}
+    record = {"kind": "compare", "code": code, "wall_s": time.monotonic() - t0, "table": runs,
+              "clusters": measurements}  # fmt: skip
     title = (f"bench compare: {args.workload}, {args.num_requests} requests, 2 workers x 1 torch thread "
              "(blue colocated, orange disaggregated)")  # fmt: skip
     (out / "compare.json").write_text(json.dumps(jsonable(record), indent=2, default=str) + "\n")
-    (out / "compare.md").write_text(f"{title}\n\n{report.markdown_table(runs)}")
+    (out / "compare.md").write_text(f"{title}; code {record['code']}\n\n{report.markdown_table(runs)}")
     report.plot(runs, out / "compare.png", title)
     print(report.text_table(runs))
     return record
@@ -84,9 +96,9 @@ def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]
     """The tuning sweep; writes ``sweep.json`` and ``sweep.md``."""
     from bench.compare.sweep import markdown, sweep
 
-    t0 = time.monotonic()
+    t0, code = time.monotonic(), git_state()
     result = sweep(args, root)
-    record = {"kind": "sweep", "wall_s": time.monotonic() - t0, **result}
+    record = {"kind": "sweep", "code": code, "wall_s": time.monotonic() - t0, **result}
     (out / "sweep.json").write_text(json.dumps(jsonable(record), indent=2, default=str) + "\n")
     (out / "sweep.md").write_text(markdown(result))
     print(markdown(result))

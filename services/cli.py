@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from services.config import ConfigError, load_config
 
@@ -35,9 +34,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _add_bench_args(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench serve`` / ``bench compare``: their flags live in bench/serve/cli.py and bench/compare/cli.py."""
-    root = str(Path(__file__).resolve().parent.parent)  # bench/ is in the repository, not an installed package
-    if root not in sys.path:
-        sys.path.insert(0, root)
     from bench.compare import cli as compare_cli
     from bench.serve import cli as serve_cli
 

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # bench/ is not an installed package (pyproject installs services, engine, ...)
-    sys.path.insert(0, str(REPO))
+from bench.serve.cli import add_arguments, build_workload, pacing
+from bench.serve.client import RequestResult, error_reason
+from bench.serve.metrics import percentile, summarize, within_slo
+from bench.serve.runner import poisson_arrivals
+from bench.serve.workloads import TraceScale, load_trace, shared_prefix, trace_request
 
-from bench.serve.cli import add_arguments, build_workload, pacing  # noqa: E402
-from bench.serve.client import RequestResult, error_reason  # noqa: E402
-from bench.serve.metrics import percentile, summarize, within_slo  # noqa: E402
-from bench.serve.runner import poisson_arrivals  # noqa: E402
-from bench.serve.workloads import TraceScale, load_trace, shared_prefix, trace_request  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _record(ids, input_length, output_length=100, timestamp=0):

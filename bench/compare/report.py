@@ -6,11 +6,11 @@ that ``bench.serve.metrics.summarize`` returned for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-COLUMNS = (
+COLUMNS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("TTFT p50 ms", lambda s: f"{s['ttft_ms']['median']:.1f}"),
     ("TTFT p90 ms", lambda s: f"{s['ttft_ms']['p90']:.1f}"),
     ("TPOT p50 ms", lambda s: f"{s['tpot_ms']['median']:.2f}"),

@@ -42,8 +42,10 @@ def steps(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, tuple[str
     from services.config import load_config
 
     config = load_config(args.config, args.set)
-    ratios = [(label, (f"prefill.node_count={p}", f"decode.node_count={d}")) for label, (p, d) in RATIOS.items()]
-    out = [("P/D ratio", ratios)]
+    ratios: list[tuple[str, tuple[str, ...]]] = [
+        (label, (f"prefill.node_count={p}", f"decode.node_count={d}")) for label, (p, d) in RATIOS.items()
+    ]
+    out: list[tuple[str, list[tuple[str, tuple[str, ...]]]]] = [("P/D ratio", ratios)]
     for step, key, values in KNOBS:
         section, name = key.split(".")
         current = getattr(getattr(config, section), name)

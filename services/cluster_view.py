@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,7 @@ class ClusterView:
         self.instances: dict[str, InstanceView] = {}
         self.kvmeta_address = ""
         self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
+        self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -125,8 +127,16 @@ class ClusterView:
             log.info("%s %s joined at %s", event.role, event.instance_id, record["address"])
 
     def pool(self, role: str) -> list[InstanceView]:
-        """Instances of one role, by id."""
-        return sorted((v for v in self.instances.values() if v.role == role), key=lambda v: v.instance_id)
+        """Instances of one role, by id, except quarantined ones."""
+        now = time.monotonic()
+        return sorted(
+            (v for v in self.instances.values() if v.role == role and self._quarantine.get(v.instance_id, 0.0) <= now),
+            key=lambda v: v.instance_id,
+        )
+
+    def quarantine(self, instance_id: str, seconds: float) -> None:
+        """Avoid an instance that just failed a request until its lease would have expired, had it died."""
+        self._quarantine[instance_id] = time.monotonic() + seconds
 
     def max_model_len(self) -> int:
         """The smallest context length any worker serves (0 when there is none)."""

@@ -10,12 +10,13 @@ downstream calls, which free their KV.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ from services.config import Config, WorkerConfig
 from services.decisions import DecisionLog, decision_attributes, to_decision
 from services.detokenizer import Detokenizer
 from services.prediction_errors import PredictionErrors
-from services.rpc import RpcError, Service
+from services.rpc import KV_TRANSFER_FAILED, RpcError, Service
 from services.telemetry import tracer
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,51 @@ class Job:
     path: str = ""  # "disaggregated" or "colocated"
     plan: Plan | None = None
     decision: conductor_pb2.Decision | None = None
+    generated: list[int] = field(default_factory=list)  # tokens streamed so far (a resumed attempt continues them)
+    failed: set[str] = field(default_factory=set)  # instances that failed this request
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the current attempt prefills: the prompt, plus the tokens already streamed."""
+        return self.prompt + self.generated
+
+    @property
+    def attempt_sampling(self) -> common_pb2.SamplingParams:
+        """The sampling parameters of the current attempt (max_tokens less what was streamed)."""
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        sampling.max_tokens -= len(self.generated)
+        return sampling
+
+    def attempt_hashes(self, block_size: int) -> list[bytes]:
+        """Chained block hashes of ``tokens``."""
+        return self.block_hashes if not self.generated else prefix_block_hashes(self.tokens, block_size)
+
+
+class WorkerFailure(Exception):
+    """A worker failed a request in a way another worker may not (it died, drained, or its link broke)."""
+
+    def __init__(self, instance_id: str, cause: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{instance_id}: {cause.code().name}: {cause.details()}")
+        self.instance_id = instance_id
+        self.cause = cause
+
+
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+     grpc.StatusCode.DEADLINE_EXCEEDED}
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def blame(instance_id: str) -> Iterator[None]:
+    """Turn a retryable error of a call to ``instance_id`` into a WorkerFailure of that instance."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as e:
+        if e.code() in RETRYABLE:
+            raise WorkerFailure(instance_id, e) from e
+        raise
 
 
 @dataclass
@@ -101,7 +147,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )  # fmt: skip
         outcome = "failed"
         try:
-            pieces = self._disaggregated(job) if disaggregated else self._colocated(job)
+            pieces = self._with_retries(job, self._disaggregated if disaggregated else self._colocated)
             async for response in self._relay(job, pieces, request.include_decision):
                 yield response
             outcome = "completed"
@@ -207,11 +253,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def _prefix_lens(self, job: Job, pool: list[InstanceView]) -> dict[str, int]:
         """Cached prefix length (tokens) per instance; empty when kvmeta cannot answer (cache-unaware)."""
-        if not job.block_hashes or self.view.kvmeta is None:
+        hashes = job.attempt_hashes(self.view.block_size())
+        if not hashes or self.view.kvmeta is None:
             return {}
-        request = kvmeta_pb2.MatchPrefixRequest(
-            block_hashes=job.block_hashes, instance_ids=[v.instance_id for v in pool]
-        )
+        request = kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes, instance_ids=[v.instance_id for v in pool])
         try:
             response = await kvmeta_pb2_grpc.KvMetaStub(self.view.kvmeta).MatchPrefix(request, timeout=1.0)
         except grpc.aio.AioRpcError as e:
@@ -239,8 +284,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         now = time.monotonic()
         record = prefills[0].record
         shape = RequestShape(
-            num_prompt_tokens=len(job.prompt),
-            num_blocks=request_blocks(len(job.prompt), job.sampling.max_tokens, int(record["block_size"])),
+            num_prompt_tokens=len(job.tokens),
+            num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, int(record["block_size"])),
             block_size=int(record["block_size"]),
             bytes_per_block=int(record["kv_layout"]["bytes_per_block"]),
         )
@@ -261,14 +306,15 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
         """Book the request's prefill work on p and its decode footprint on d."""
         now = time.monotonic()
-        blocks = request_blocks(len(job.prompt), job.sampling.max_tokens, self.view.block_size())
-        expected_tokens = job.sampling.max_tokens
+        n, max_tokens = len(job.tokens), job.attempt_sampling.max_tokens
+        blocks = request_blocks(n, max_tokens, self.view.block_size())
+        expected_tokens = max_tokens
         if self.mean_output_tokens:
             expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
-        p.prefilling.add(job.request_id, Booking(now, plan.prefill.t_prefill, len(job.prompt), 0))
+        p.prefilling.add(job.request_id, Booking(now, plan.prefill.t_prefill, n, 0))
         d.decoding.add(
             job.request_id,
-            Booking(now, 0.0, len(job.prompt), blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt),
+            Booking(now, 0.0, n, blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt),
         )
 
     def _release(self, job: Job, *instances: InstanceView) -> None:
@@ -278,8 +324,39 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     # -- the two serving paths -------------------------------------------------------------------
 
+    async def _with_retries(
+        self, job: Job, attempt: Callable[[Job], AsyncGenerator[Piece, None]]
+    ) -> AsyncGenerator[Piece, None]:
+        """Run attempts until one finishes; a failed worker's request resumes elsewhere with what it streamed.
+
+        A resumed attempt prefills the prompt plus the tokens already streamed and continues from there,
+        so the client's stream goes on without a gap or a repeat (greedy output is the same as without
+        the failure). The failed instance is excluded for this request and avoided by others for a while.
+        """
+        for number in range(1, self.config.scheduler.max_attempts + 1):
+            try:
+                async for piece in attempt(job):
+                    job.generated += piece.token_ids
+                    yield piece
+                return
+            except WorkerFailure as failure:
+                job.failed.add(failure.instance_id)
+                self.view.quarantine(failure.instance_id, self.config.cluster.lease_ttl_s + 1.0)
+                trace.get_current_span().add_event(
+                    "kvconductor.retry", {"attempt": number, "failed": str(failure), "streamed": len(job.generated)}
+                )
+                if number == self.config.scheduler.max_attempts:
+                    raise RpcError(UNAVAILABLE, f"gave up after {number} attempts; last: {failure}") from failure
+                log.warning("request %s: %s; resuming after %d streamed tokens", job.request_id, failure,
+                            len(job.generated))  # fmt: skip
+                metrics.RETRIES.labels(job.path).inc()
+
+    def _pool(self, role: str, job: Job) -> list[InstanceView]:
+        return [v for v in self.view.pool(role) if v.instance_id not in job.failed]
+
     async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
-        plan = await self._plan(job, self.view.pool("prefill"), self.view.pool("decode"))
+        tokens, sampling = job.tokens, job.attempt_sampling  # this attempt's, before it streams anything
+        plan = await self._plan(job, self._pool("prefill", job), self._pool("decode", job))
         p = self.view.instances[plan.prefill.instance_id]
         d = self.view.instances[plan.decode_instance]
         self._assign(job, plan, p, d)
@@ -287,31 +364,32 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             first = await self._prefill_on(job, plan, p, d)
             _mark_decoding(d, job.request_id)
             yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
-            call = d.decode_stub.Decode(
-                decode_pb2.DecodeRequest(
-                    request_id=job.request_id,
-                    prompt_token_ids=job.prompt,
-                    first_token_id=first.first_token_id,
-                    sampling=job.sampling,
+            with blame(d.instance_id):
+                call = d.decode_stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        request_id=job.request_id,
+                        prompt_token_ids=tokens,
+                        first_token_id=first.first_token_id,
+                        sampling=sampling,
+                    )
                 )
-            )
-            try:
-                async for chunk in call:
-                    yield Piece(list(chunk.token_ids), chunk.finish_reason)
-            finally:
-                call.cancel()
+                try:
+                    async for chunk in call:
+                        yield Piece(list(chunk.token_ids), chunk.finish_reason)
+                finally:
+                    call.cancel()
         finally:
             self._release(job, p, d)
 
     async def _prefill_on(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> prefill_pb2.PrefillResponse:
         """Reserve on d, prefill on p into d's blocks (copying KV first if planned); release d on failure."""
-        reserved = await d.decode_stub.Reserve(
-            decode_pb2.ReserveRequest(
-                request_id=job.request_id, num_prompt_tokens=len(job.prompt), sampling=job.sampling
+        tokens, sampling = job.tokens, job.attempt_sampling
+        with blame(d.instance_id):
+            reserved = await d.decode_stub.Reserve(
+                decode_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(tokens), sampling=sampling)
             )
-        )
         request = prefill_pb2.PrefillRequest(
-            request_id=job.request_id, prompt_token_ids=job.prompt, sampling=job.sampling, destination=reserved.target
+            request_id=job.request_id, prompt_token_ids=tokens, sampling=sampling, destination=reserved.target
         )
         source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
         if source is not None:
@@ -320,14 +398,26 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             )
             request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
         try:
+            # A failed write into d's blocks is d's (or the link's) failure, not p's.
             response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(request)
+        except grpc.aio.AioRpcError as e:
+            await self._release_reservation(job, d)
+            at_fault = d if (e.details() or "").startswith(KV_TRANSFER_FAILED) else p
+            if e.code() in RETRYABLE:
+                raise WorkerFailure(at_fault.instance_id, e) from e
+            raise
         except BaseException:
-            await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id))
+            await self._release_reservation(job, d)
             raise
         finally:
             p.prefilling.prefill_done(job.request_id, time.monotonic())
         self._learn(job, p, d, response)
         return response
+
+    async def _release_reservation(self, job: Job, d: InstanceView) -> None:
+        """Give back d's blocks (best effort: a dead d has freed them, and a live one expires them anyway)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id), timeout=5.0)
 
     def _learn(self, job: Job, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
         """Feed measured transfers to the link models, the prediction errors and the decision; log them."""
@@ -360,23 +450,23 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )  # fmt: skip
 
     async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
-        pool = self.view.pool("colocated")
+        pool = self._pool("colocated", job)
         plan = await self._plan(job, pool, pool)
         c = self.view.instances[plan.prefill.instance_id]
         self._assign(job, plan, c, c)
-        call = c.colocated_stub.Generate(
-            colocated_pb2.ColocatedRequest(
-                request_id=job.request_id, prompt_token_ids=job.prompt, sampling=job.sampling
-            )
+        request = colocated_pb2.ColocatedRequest(
+            request_id=job.request_id, prompt_token_ids=job.tokens, sampling=job.attempt_sampling
         )
-        try:
-            async for chunk in call:
-                c.prefilling.prefill_done(job.request_id, time.monotonic())
-                _mark_decoding(c, job.request_id)
-                yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
-        finally:
-            call.cancel()
-            self._release(job, c)
+        with blame(c.instance_id):
+            call = c.colocated_stub.Generate(request)
+            try:
+                async for chunk in call:
+                    c.prefilling.prefill_done(job.request_id, time.monotonic())
+                    _mark_decoding(c, job.request_id)
+                    yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
+            finally:
+                call.cancel()
+                self._release(job, c)
 
     # -- relaying ----------------------------------------------------------------------------------
 

@@ -44,7 +44,8 @@ class ClusterConfig:
     kv_transfer_engine: str = "mooncake"  # the KV data plane (only the Mooncake Transfer Engine)
     transfer_backend: str = "tcp"  # "tcp" (any host) or "rdma" (needs RDMA NICs)
     transfer_bandwidth_gbps: float = 10.0  # prior for T_transfer until a probe measures the real link
-    kv_transfer_timeout_s: float = 30.0  # a decode reservation whose KV has not arrived by then is freed
+    kv_transfer_timeout_s: float = 30.0  # bound on a KV write; a reservation whose KV has not come by then is freed
+    drain_grace_s: float = 10.0  # on SIGTERM a worker leaves etcd, then finishes in-flight work for this long
     run_dir: str = "runs"  # `kvconductor up` writes one log file per process under run_dir/<timestamp>
 
     def validate(self) -> None:
@@ -60,6 +61,7 @@ class ClusterConfig:
         _check(self.transfer_backend in ("tcp", "rdma"), "[cluster] transfer_backend", 'must be "tcp" or "rdma"')
         _check(self.transfer_bandwidth_gbps > 0, "[cluster] transfer_bandwidth_gbps", "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "[cluster] kv_transfer_timeout_s", "must be > 0")
+        _check(0 <= self.drain_grace_s <= 3600, "[cluster] drain_grace_s", "must be in 0..3600")
 
 
 @dataclass
@@ -143,6 +145,8 @@ class SchedulerConfig:
     # "prediction": judge TBT on the decode load predicted for when the request's prefill ends;
     # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
     early_rejection: str = "prediction"
+    # A request whose worker fails (dies, drains, loses its link) resumes on another one, this many times in all.
+    max_attempts: int = 3
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -153,6 +157,7 @@ class SchedulerConfig:
         )
         _check(self.estimate_model == "empirical", "[scheduler] estimate_model", 'must be "empirical"')
         _check(self.policy in POLICIES, "[scheduler] policy", f"must be one of {', '.join(POLICIES)}")
+        _check(1 <= self.max_attempts <= 10, "[scheduler] max_attempts", "must be in 1..10")
         _check(
             self.early_rejection in EARLY_REJECTION,
             "[scheduler] early_rejection",

@@ -72,6 +72,11 @@ class EmbeddedEtcd:
         return f"http://{self.endpoint}"
 
     @property
+    def pid(self) -> int | None:
+        """The etcd process id while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         """Whether the etcd process was started and has not exited."""
         return self._proc is not None and self._proc.poll() is None

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
@@ -149,6 +150,15 @@ async def _invalid(request: Request, exc: Exception) -> JSONResponse:
     return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
 
 
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """The framework's own errors (unknown path, wrong method, unparsable or too large body) in OpenAI's shape."""
+    if not isinstance(exc, HTTPException):
+        return await _unexpected(request, exc)
+    response = _error(exc.status_code, str(exc.detail))
+    response.headers.update(exc.headers or {})
+    return response
+
+
 async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, OpenAIError):
         return await _unexpected(request, exc)
@@ -248,12 +258,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 def create_app(config: Config) -> FastAPI:
     """The FastAPI application."""
-    app = FastAPI(title="kvconductor", description=__doc__)
+    # max_body_size also bounds bodies sent without Content-Length (chunked), which _around_request cannot see.
+    app = FastAPI(title="kvconductor", description=__doc__, max_body_size=config.gateway.max_request_bytes)
     app.state.gateway = Gateway(config)
     if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     app.middleware("http")(_around_request)
     app.include_router(router)

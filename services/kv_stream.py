@@ -19,16 +19,22 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+import grpc
+
 from engine.kv_pool import KVPool
 from kvconductor.v1 import common_pb2
-from services.transfer import KVTransferEngine
+from services.rpc import KV_TRANSFER_FAILED, RpcError
+from services.transfer import KVTransferEngine, TransferError
 
 
 class KVStreamer:
     """Sends a request's prompt blocks into a destination as they become final."""
 
-    def __init__(self, transfer: KVTransferEngine, pool: KVPool, destination: common_pb2.KVBlockTarget) -> None:
+    def __init__(
+        self, transfer: KVTransferEngine, pool: KVPool, destination: common_pb2.KVBlockTarget, timeout_s: float
+    ) -> None:
         self.transfer = transfer
+        self.timeout_s = timeout_s
         self.pool = pool
         self.destination = destination
         self.sent = 0  # leading blocks handed to the transfer engine
@@ -51,18 +57,27 @@ class KVStreamer:
         if previous is not None:
             await previous
         start = time.perf_counter()
-        result = await asyncio.to_thread(
+        write = asyncio.to_thread(
             self.transfer.write_blocks, self.destination.transfer_endpoint, sources, targets,
             self.destination.bytes_per_block,
         )  # fmt: skip
+        try:
+            result = await asyncio.wait_for(write, self.timeout_s)
+        except TimeoutError:
+            raise TransferError(f"no completion within {self.timeout_s:g} s (kv_transfer_timeout_s)") from None
         self.seconds += time.perf_counter() - start
         self.bytes += result.bytes
         self.blocks += result.blocks
 
     async def finish(self) -> None:
-        """Wait until every queued write is done (raises a transfer's error)."""
-        if self._last is not None:
+        """Wait until every queued write is done; a failed or timed-out write raises UNAVAILABLE."""
+        if self._last is None:
+            return
+        try:
             await self._last
+        except TransferError as e:
+            endpoint = self.destination.transfer_endpoint
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"{KV_TRANSFER_FAILED} to {endpoint}: {e}") from e
 
     def attributes(self, exposed_seconds: float) -> dict[str, int | float | str]:
         """Span attributes of the whole transfer."""

@@ -28,7 +28,7 @@ from services.net import free_port
 from services.registry import Registry
 
 READY_TIMEOUT_S = 180.0
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 5.0  # beyond [cluster] drain_grace_s, before SIGKILL
 
 
 @dataclass
@@ -83,7 +83,12 @@ class Cluster:
             "cluster": self.config.cluster.name,
             "processes": {c.instance_id: {"role": c.role, "pid": c.process.pid, "log": str(c.log_path)}
                           for c in self.children},
+            # `kvconductor serve ROLE --id ID <serve_args>` starts one more process of this cluster.
+            "serve_args": self._config_args(),
         }  # fmt: skip
+        if self.etcd is not None:
+            manifest["embedded_etcd"] = {"pid": self.etcd.pid, "client_port": self.etcd.client_port,
+                                         "peer_port": self.etcd.peer_port, "run_dir": str(self.run_dir)}  # fmt: skip
         (self.run_dir / "cluster.json").write_text(json.dumps(manifest, indent=2))
 
     def _ensure_model(self) -> None:
@@ -119,6 +124,12 @@ class Cluster:
         self.overrides.append(f"{key}={value}")
         self.config = load_config(self.config_path, self.overrides)
 
+    def _config_args(self) -> list[str]:
+        args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
+        for override in self.overrides:
+            args += ["--set", override]
+        return args
+
     def _plan(self) -> list[tuple[str, str]]:
         c = self.config
         plan = [("kvmeta", "kvmeta-0"), ("conductor", "conductor-0")]
@@ -129,11 +140,7 @@ class Cluster:
 
     def _spawn(self, role: str, instance_id: str) -> None:
         log_path = self.run_dir / f"{instance_id}.log"
-        args = [sys.executable, "-m", "services.cli", "serve", role, "--id", instance_id]
-        if self.config_path:
-            args += ["--config", self.config_path]
-        for override in self.overrides:
-            args += ["--set", override]
+        args = [sys.executable, "-m", "services.cli", "serve", role, "--id", instance_id, *self._config_args()]
         threads = str(getattr(self.config, role).torch_threads) if role in ("prefill", "decode", "colocated") else "1"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         with log_path.open("ab") as log:
@@ -173,7 +180,7 @@ class Cluster:
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + self.config.cluster.drain_grace_s + STOP_GRACE_S
         for child in reversed(self.children):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -24,6 +24,7 @@ ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 # The Conductor: per request.
 REQUESTS = Counter("kvconductor_requests", "Requests by serving path and outcome", ["path", "outcome"])
+RETRIES = Counter("kvconductor_retries", "Requests resumed on another worker after a worker failed", ["path"])
 REJECTIONS = Counter("kvconductor_rejections", "SLO and capacity rejections by reason", ["reason"])
 TTFT = Histogram("kvconductor_ttft_seconds", "Time to first token at the Conductor", ["path"], buckets=LATENCY_BUCKETS)
 TBT = Histogram("kvconductor_tbt_seconds", "Mean time between tokens of a request", ["path"], buckets=GAP_BUCKETS)

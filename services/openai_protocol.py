@@ -1,14 +1,18 @@
 """The OpenAI request bodies the REST shim accepts, and OpenAI-shaped errors.
 
 Unknown fields are accepted and ignored (clients and routers add their own, as with vLLM); known
-fields are type- and range-checked, and a failure names the field.
+fields are type- and range-checked, and a failure names the field. Counts and token ids travel to
+the Conductor as protobuf ``uint32``, so they are bounded here rather than overflowing there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+UINT32_MAX = 2**32 - 1
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 
 
 class OpenAIError(Exception):
@@ -33,13 +37,13 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=UINT32_MAX)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
@@ -66,8 +70,8 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[TokenId] | list[str]
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -107,7 +111,7 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
     def limit(self) -> int:
         """``max_completion_tokens`` wins over the older ``max_tokens``."""
@@ -133,4 +137,5 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
         429: "rate_limit_error",
         503: "service_unavailable",
     }
-    return OpenAIError(status, message, kinds.get(status, "internal_error"), param).body
+    kind = kinds.get(status, "invalid_request_error" if 400 <= status < 500 else "internal_error")
+    return OpenAIError(status, message, kind, param).body

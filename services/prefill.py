@@ -46,7 +46,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._check_destination(destination, len(prompt))
         start = time.perf_counter()
         outputs = w.loop.open(rid)
-        streamer = KVStreamer(w.transfer, w.engine.kv_pool, destination)
+        streamer = KVStreamer(w.transfer, w.engine.kv_pool, destination, w.config.cluster.kv_transfer_timeout_s)
         finished = False
         try:
             with tracer.start_as_current_span("prefill.kv_copy") as span:

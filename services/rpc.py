@@ -32,6 +32,7 @@ from services.registry import Registry
 from services.telemetry import extract_context, inject_metadata, tracer
 
 log = logging.getLogger(__name__)
+KV_TRANSFER_FAILED = "KV transfer failed"  # prefix of a prefill worker's error when its write into decode fails
 TRACE_ROOTS = frozenset({"kvconductor.v1.Conductor/Generate"})  # methods that start a trace if none came
 
 

@@ -95,7 +95,7 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
     await serve(
         services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
         record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
-        on_bound=endpoint.start if endpoint is not None else None,
+        on_bound=endpoint.start if endpoint is not None else None, grace_s=config.cluster.drain_grace_s,
     )  # fmt: skip
 
 

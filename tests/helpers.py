@@ -128,3 +128,46 @@ def kvmeta_matches(cluster, block_hashes):
             kvmeta_pb2.MatchPrefixRequest(block_hashes=block_hashes), timeout=10
         )
     return {m.instance_id: m.prefix_blocks for m in reply.matches}
+
+
+def reference_tokens(model_dir, prompts, max_tokens=MAX_TOKENS):
+    """Greedy output of the engine in this process, for comparison with a cluster's."""
+    from engine.llm_engine import LLMEngine, generate
+    from engine.sampling import SamplingParams
+
+    engine = LLMEngine(model_dir, num_blocks=512)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [generate(engine, p, params) for p in prompts]
+
+
+def run_load(cluster, prompts, threads=3, max_tokens=MAX_TOKENS):
+    """Greedy requests through the Conductor from several threads; token lists or the exception each raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt):
+        try:
+            return grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED, max_tokens=max_tokens)[0]
+        except grpc.RpcError as e:
+            return e
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, prompts))
+
+
+def spawn(cluster, role, instance_id, log_dir):
+    """Start one more process of the cluster (`kvconductor serve`), logging to log_dir/<id>.log."""
+    log = (Path(log_dir) / f"{instance_id}.log").open("wb")
+    args = [sys.executable, "-m", "services.cli", "serve", role, "--id", instance_id, *cluster.manifest["serve_args"]]
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+
+
+def wait_registered(cluster, role, instance_id, present=True, timeout=60):
+    """Wait until an instance's key is (or is no longer) in etcd."""
+    from services.registry import Registry
+
+    deadline = time.monotonic() + timeout
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        while ((role, instance_id) in registry.list(role)) != present:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{instance_id} {'never registered' if present else 'still registered'}")
+            time.sleep(0.2)

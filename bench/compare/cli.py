@@ -3,13 +3,16 @@
     kvconductor bench compare                        # 20 shared-prefix chat requests, c=1 and c=4
     kvconductor bench compare --requests 40 --concurrency 1 2 8 --out /tmp/compare
     kvconductor bench compare --sweep                # tuning order on the disaggregated cluster
+    kvconductor bench compare --routers --requests 30 --num-prefixes 3   # Conductor vs. sglang/vllm routers
 
 Both clusters run the same number of worker processes with the same torch threads (colocated: two
 colocated workers; disaggregated: one prefill and one decode worker) and get the identical workload:
 by default the seed's steps 1-3, 20 streaming chat requests over 2 shared 512-token prefixes, at
 concurrency 1 (the seed's sequential runs) and 4 (some interference between prefill and decode). Each
 cluster starts cold. Writes ``compare.json``, ``compare.md`` and ``compare.png`` under ``--out``
-(``sweep.*`` with ``--sweep``); cluster logs stay under ``runs/``.
+(``sweep.*`` with ``--sweep``); cluster logs stay under ``runs/``. ``--routers`` puts one colocated
+cluster's workers behind our gateway and behind third-party routers from PyPI, one after the other
+(``bench/compare/routers.py`` describes it), and writes ``routers.*``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from bench.compare import report
 from bench.compare.cluster import COLOCATED, DISAGGREGATED, REPO
 from bench.compare.measure import measure
+from bench.compare.routers import DEFAULT_CONTENDERS
 from bench.serve.cli import add_slo_arguments, add_workload_arguments
 from bench.serve.metrics import jsonable
 
@@ -53,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sweep", action="store_true", help="tuning sweep on the disaggregated cluster instead")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    r = p.add_argument_group("peer routers (--routers)")
+    r.add_argument(
+        "--routers", action="store_true", help="Conductor vs. sglang-router / vllm-router on one colocated cluster"
+    )
+    r.add_argument(
+        "--contenders",
+        nargs="+",
+        default=list(DEFAULT_CONTENDERS),
+        metavar="SPEC",
+        help=f"conductor or ROUTER:POLICY (default {' '.join(DEFAULT_CONTENDERS)})",
+    )
+    r.add_argument("--cluster-json", help="use this running cluster's cluster.json instead of starting one")
     add_workload_arguments(p, requests_flag="--requests")
     add_slo_arguments(p, ttft=2000.0, tpot=200.0)  # the config's max_ttft_ms and max_tbt_ms  # fmt: skip
 
@@ -111,11 +127,16 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        record = (run_sweep if args.sweep else compare)(args, out, root)
+        if args.routers:
+            from bench.compare import routers
+
+            record = routers.main(args, out, root, git_state())
+        else:
+            record = (run_sweep if args.sweep else compare)(args, out, root)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out}/{record['kind']}.{{json,md{',png' if record['kind'] == 'compare' else ''}}} "
+    print(f"wrote {out}/{record['kind']}.{{json,md{',png' if record['kind'] != 'sweep' else ''}}} "
           f"in {record['wall_s']:.0f} s; cluster logs under {root}")  # fmt: skip
     return 0
 

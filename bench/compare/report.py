@@ -6,7 +6,7 @@ that ``bench.serve.metrics.summarize`` returned for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,11 @@ def markdown_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
     return head + rule + "".join(f"| {label} | " + " | ".join(_cells(s)) + " |\n" for label, s in runs.items())
 
 
-def plot(runs: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
-    """Grouped bars: TTFT and TPOT (median with a p90 whisker), hit rate, goodput, per run."""
+def plot(runs: Mapping[str, Mapping[str, Any]], path: Path, title: str, colors: Sequence[str] | None = None) -> None:
+    """Grouped bars: TTFT and TPOT (median with a p90 whisker), hit rate, goodput, per run.
+
+    ``colors``: one bar colour per run (default: blue for ``colocated ...`` runs, orange otherwise).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,7 +61,8 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
         ("TTFT (ms)", "ttft_ms"),
         ("TPOT (ms)", "tpot_ms"),
     )
-    colors = ["#4C72B0" if label.startswith("colocated") else "#DD8452" for label in labels]
+    if colors is None:
+        colors = ["#4C72B0" if label.startswith("colocated") else "#DD8452" for label in labels]
     for ax, (name, key) in zip(axes, panels, strict=False):
         med = [runs[label][key]["median"] for label in labels]
         p90 = [runs[label][key]["p90"] for label in labels]
@@ -71,7 +75,9 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
     axes[3].bar(labels, [runs[label]["goodput"] for label in labels], color=colors)
     axes[3].set_title("goodput (req/s within SLO)")
     for ax in axes:
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        plt.setp(
+            ax.get_xticklabels(), rotation=35, ha="right", rotation_mode="anchor", fontsize=8 if len(labels) < 8 else 7
+        )
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -8,9 +8,10 @@ PROTO_SRC := $(wildcard protos/kvconductor/v1/*.proto)
 PROTO_STAMP := protos/kvconductor/v1/.generated
 CONFIG ?= deploy/config.toml
 TE_LIBS := libibverbs1 librdmacm1 libnuma1
+FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install protos lint format typecheck test run model clean all
+.PHONY: help install protos lint format typecheck test fuzz run model clean all
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -51,12 +52,15 @@ typecheck: install ## mypy (strict on scheduler/ and engine/)
 test: install ## Run the test suite (starts its own etcd and services)
 	$(BIN)/pytest
 
+fuzz: install ## Fuzz the REST shim and gRPC API with FUZZ_EXAMPLES per test (make test runs 25)
+	KVCONDUCTOR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest tests/test_fuzz_rest.py tests/test_fuzz_grpc.py
+
 run: install ## Start a whole local cluster from $(CONFIG) and serve until Ctrl-C
 	$(BIN)/kvconductor up --config $(CONFIG)
 
 all: lint typecheck test ## Lint, type-check and test
 
 clean: ## Remove the venv, generated code, run directories and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis runs build *.egg-info
 	rm -f protos/kvconductor/v1/*_pb2*.py protos/kvconductor/v1/*_pb2*.pyi $(PROTO_STAMP)
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -8,6 +8,7 @@ same sequence as a single engine would.
 """
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 
@@ -31,8 +32,8 @@ class SamplingParams:
         """Validate every field; raise ValueError naming the bad one."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
@@ -186,6 +187,26 @@ async def _around_request(request: Request, call_next: Any) -> Response:
     return response
 
 
+class _BodyLimit:
+    """413 for a body that grows past ``limit`` bytes as it arrives: chunked bodies declare no Content-Length."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, f"request body exceeds {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited if scope["type"] == "http" else receive, send)
+
+
 @router.get("/metrics")
 async def prometheus_metrics() -> Response:
     """Prometheus text format."""
@@ -258,8 +279,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 def create_app(config: Config) -> FastAPI:
     """The FastAPI application."""
-    # max_body_size also bounds bodies sent without Content-Length (chunked), which _around_request cannot see.
-    app = FastAPI(title="kvconductor", description=__doc__, max_body_size=config.gateway.max_request_bytes)
+    app = FastAPI(title="kvconductor", description=__doc__)
     app.state.gateway = Gateway(config)
     if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")
@@ -267,6 +287,7 @@ def create_app(config: Config) -> FastAPI:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(_BodyLimit, limit=config.gateway.max_request_bytes)
     app.middleware("http")(_around_request)
     app.include_router(router)
     return app

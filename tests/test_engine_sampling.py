@@ -23,8 +23,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         ("max_tokens", {"max_tokens": 0}),
         ("temperature", {"temperature": -0.1}),
+        ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": float("inf")}),
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.5}),
+        ("top_p", {"top_p": float("nan")}),
         ("top_k", {"top_k": -1}),
         ("seed", {"seed": -3}),
         ("stop_token_ids", {"stop_token_ids": (-1,)}),

@@ -24,6 +24,7 @@ from services.rpc import channel
 
 log = logging.getLogger(__name__)
 WORKER_ROLES = ("prefill", "decode", "colocated")
+CHANNEL_CLOSE_GRACE_S = 120.0
 
 
 @dataclass
@@ -107,8 +108,8 @@ class ClusterView:
         old = self.instances.pop(event.instance_id, None)
         if event.kind == "delete" or event.record is None:
             log.info("%s %s left", event.role, event.instance_id)
-            if old is not None:
-                asyncio.ensure_future(old.channel.close())
+            if old is not None:  # calls in flight (a draining worker's streams) keep their channel a while
+                asyncio.ensure_future(old.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
             return
         record = event.record
         same_address = old is not None and old.record["address"] == record["address"]

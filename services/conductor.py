@@ -102,13 +102,25 @@ RETRYABLE = frozenset(
 
 @contextlib.contextmanager
 def blame(instance_id: str) -> Iterator[None]:
-    """Turn a retryable error of a call to ``instance_id`` into a WorkerFailure of that instance."""
+    """Turn a retryable error of a call to ``instance_id`` into a WorkerFailure of that instance.
+
+    A call cancelled under us (its channel closed) surfaces as CancelledError although this task is not
+    being cancelled: that too is the instance's failure, not the client's departure.
+    """
     try:
         yield
     except grpc.aio.AioRpcError as e:
         if e.code() in RETRYABLE:
             raise WorkerFailure(instance_id, e) from e
         raise
+    except asyncio.CancelledError as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        cause = grpc.aio.AioRpcError(
+            grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "call cancelled"
+        )
+        raise WorkerFailure(instance_id, cause) from e
 
 
 @dataclass

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import INVALID_SPAN, SpanKind, Status, StatusCode, get_current_span
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, get_current_span, use_span
 
 from services.metrics import serve_metrics
 from services.registry import Registry
@@ -85,7 +84,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _span(method: str, context: grpc.aio.ServicerContext) -> Any:
+def _server_span(method: str, context: grpc.aio.ServicerContext) -> Span:
     """A server span continuing the caller's trace; only the public API starts new traces.
 
     Background calls (KV-event heartbeats, load polls, health) arrive without a trace context and are
@@ -93,11 +92,11 @@ def _span(method: str, context: grpc.aio.ServicerContext) -> Any:
     """
     parent = extract_context(context.invocation_metadata() or ())
     if method not in TRACE_ROOTS and not get_current_span(parent).get_span_context().is_valid:
-        return nullcontext(INVALID_SPAN)
-    return tracer.start_as_current_span(method, context=parent, kind=SpanKind.SERVER, record_exception=False)
+        return INVALID_SPAN
+    return tracer.start_span(method, context=parent, kind=SpanKind.SERVER, record_exception=False)
 
 
-def _fail(span: Any, error: BaseException) -> tuple[grpc.StatusCode, str]:
+def _fail(span: Span, error: BaseException) -> tuple[grpc.StatusCode, str]:
     code, message = _status_of(error)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     span.set_status(Status(StatusCode.ERROR, message))
@@ -106,27 +105,46 @@ def _fail(span: Any, error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        with _span(method, context) as span:
-            try:
+        span = _server_span(method, context)
+        try:
+            with use_span(span, end_on_exit=False):
                 return await behavior(request, context)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as e:  # noqa: BLE001 - the boundary that turns errors into status codes
-                await context.abort(*_fail(span, e))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the boundary that turns errors into status codes
+            await context.abort(*_fail(span, e))
+        finally:
+            span.end()
 
     return wrapped
 
 
 def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """Wrap a server-streaming handler.
+
+    The span is made current around each step of the handler, never across a ``yield``: gRPC may close
+    the stream from another task, where a context attached before the yield could not be detached.
+    """
+
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        with _span(method, context) as span:
-            try:
-                async for item in behavior(request, context):
-                    yield item
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as e:  # noqa: BLE001
-                await context.abort(*_fail(span, e))
+        span = _server_span(method, context)
+        items = behavior(request, context)
+        try:
+            while True:
+                try:
+                    with use_span(span, end_on_exit=False):
+                        item = await anext(items)
+                except StopAsyncIteration:
+                    return
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception as e:  # noqa: BLE001
+            await context.abort(*_fail(span, e))
+        finally:
+            with use_span(span, end_on_exit=False):
+                await items.aclose()
+            span.end()
 
     return wrapped
 

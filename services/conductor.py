@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -219,6 +220,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {max_len}")
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
+        _check_sampling(sampling)
         if sampling.max_tokens == 0:
             sampling.max_tokens = max_len - len(prompt)
         elif len(prompt) + sampling.max_tokens > max_len:
@@ -249,6 +251,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return prompt
 
     def _use_disaggregated(self, deployment: int) -> bool:
+        if deployment not in conductor_pb2.Deployment.values():
+            raise ValueError(f"unknown deployment {deployment}")
         has_pd = bool(self.view.pool("prefill")) and bool(self.view.pool("decode"))
         has_colocated = bool(self.view.pool("colocated"))
         if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
@@ -542,6 +546,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.mean_output_tokens = (1 - weight) * (
             self.mean_output_tokens or completion_tokens
         ) + weight * completion_tokens
+
+
+def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
+    """Refuse sampling values no worker can honour, before any is scheduled."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+    if not (sampling.top_p == 0 or 0 < sampling.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (0 = off), got {sampling.top_p}")
 
 
 def _mark_decoding(v: InstanceView, request_id: str) -> None:

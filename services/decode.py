@@ -86,7 +86,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         try:
             first = await w.loop.call(lambda e: e.add_prefilled_request(rid, prompt, request.first_token_id, params))
-            out = first if first is not None else await next_output(outputs)
+            if first is not None:  # token 0 ended it; the Conductor already has token 0 from the prefill worker
+                finished = True
+                yield token_chunk([], first.finish_reason)
+                return
+            out = await next_output(outputs)
             while True:
                 finished = out.finished
                 if out.new_token_ids or finished:

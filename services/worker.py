@@ -168,7 +168,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=p.max_tokens,
         temperature=p.temperature,
-        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_p=p.top_p if p.top_p != 0 else 1.0,  # 0 means off on the wire; other bad values are refused
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),

@@ -35,9 +35,6 @@ VOCAB = 261
 MAX_NEW = 4
 UINT32 = 2**32 - 1
 TIMEOUT_S = 60.0  # detects a hang; never a performance bound
-# services/decode.py relays token 0 again when a request ends at token 0 (max_tokens 1, EOS first): one extra
-# token; see test_a_request_ending_at_token_0_streams_it_once. Set to 0 once that is fixed.
-TOKEN_0_REPEATED = 1
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 # -- strategies --------------------------------------------------------------------------------------------------
@@ -106,7 +103,7 @@ def generate(stub: conductor_pb2_grpc.ConductorStub, request: conductor_pb2.Gene
     assert last.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), messages
     assert last.HasField("usage") and last.usage.completion_tokens == sum(len(m.token_ids) for m in messages)
     limit = request.sampling.max_tokens or CONTEXT
-    assert 1 <= last.usage.completion_tokens <= limit + TOKEN_0_REPEATED, last.usage
+    assert 1 <= last.usage.completion_tokens <= limit, last.usage
     return grpc.StatusCode.OK
 
 
@@ -173,10 +170,6 @@ def test_bad_temperature_is_invalid_argument(
     assert generate(stub, request) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/worker.py sampling_from_proto maps top_p <= 0 and NaN to 1.0 (only 0 means off on the wire)",
-)
 @pytest.mark.parametrize("top_p", [math.nan, -0.5])
 def test_bad_top_p_is_invalid_argument(stub: conductor_pb2_grpc.ConductorStub, top_p: float) -> None:
     request = conductor_pb2.GenerateRequest(
@@ -200,11 +193,6 @@ def test_prompts_at_the_context_length(stub: conductor_pb2_grpc.ConductorStub, l
         assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/decode.py Decode yields add_prefilled_request's finished output, token 0 included, "
-    "which the Conductor already relayed from the prefill response",
-)
 def test_a_request_ending_at_token_0_streams_it_once(stub: conductor_pb2_grpc.ConductorStub) -> None:
     request = conductor_pb2.GenerateRequest(
         text="Hello",

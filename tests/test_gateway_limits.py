@@ -1,4 +1,4 @@
-"""API keys on the REST shim (in-process app; no cluster)."""
+"""API keys and admission limits of the REST shim (in-process app; no cluster)."""
 
 import logging
 
@@ -12,8 +12,10 @@ from services.gateway import create_app
 pytestmark = pytest.mark.unit
 
 
-def _app(keys):
-    config = config_from_dict({"gateway": {"api_keys": keys}, "model": {"path": "/nonexistent", "name": "m"}})
+def _app(keys, **gateway):
+    config = config_from_dict(
+        {"gateway": {"api_keys": keys, **gateway}, "model": {"path": "/nonexistent", "name": "m"}}
+    )
     return create_app(config)
 
 
@@ -42,3 +44,11 @@ def test_an_open_gateway_warns_at_start(caplog):
     with caplog.at_level(logging.WARNING, logger="services.gateway"):
         _app([])
     assert "api_keys" in caplog.text
+
+
+def test_requests_beyond_the_concurrency_limit_get_429():
+    app = _app([], max_concurrent_requests=2)
+    app.state.gateway.in_flight = 2  # two generations in flight
+    response = TestClient(app).post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 429
+    assert "max_concurrent_requests" in response.json()["error"]["message"]

@@ -8,6 +8,7 @@ import os
 import sys
 
 from services.config import ConfigError, load_config
+from services.rpc import Tls, use_tls
 
 DESCRIPTION = """\
 kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a global scheduler.
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return int(args.bench_main(args))
         config = load_config(args.config, args.set)
+        use_tls(Tls.from_files(config.cluster.tls_cert_file, config.cluster.tls_key_file, config.cluster.tls_ca_file))
         if args.command == "up":
             from services.launcher import up
 

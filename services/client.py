@@ -24,6 +24,7 @@ import grpc
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from services.config import Config
+from services.rpc import sync_channel
 
 DEPLOYMENTS = {
     "auto": conductor_pb2.DEPLOYMENT_AUTO,
@@ -49,7 +50,7 @@ class ConductorClient:
     """Synchronous client of ``kvconductor.v1.Conductor``."""
 
     def __init__(self, address: str, timeout_s: float = 600.0) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = sync_channel(address)
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
         self.timeout_s = timeout_s
 

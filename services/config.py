@@ -46,6 +46,13 @@ class ClusterConfig:
     transfer_bandwidth_gbps: float = 10.0  # prior for T_transfer until a probe measures the real link
     kv_transfer_timeout_s: float = 30.0  # bound on a KV write; a reservation whose KV has not come by then is freed
     drain_grace_s: float = 10.0  # on SIGTERM a worker leaves etcd, then finishes in-flight work for this long
+    tls_cert_file: str = ""  # PEM certificate of this process for gRPC between services (mutual TLS); "" = plaintext
+    tls_key_file: str = ""  # its private key
+    tls_ca_file: str = ""  # CA that signed every service's certificate
+    etcd_ca_file: str = ""  # external etcd over TLS: its CA, and a client certificate/key if it asks for one
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    etcd_user: str = ""  # etcd authentication (password from the KVCONDUCTOR_ETCD_PASSWORD environment variable)
     run_dir: str = "runs"  # `kvconductor up` writes one log file per process under run_dir/<timestamp>
 
     def validate(self) -> None:
@@ -62,6 +69,15 @@ class ClusterConfig:
         _check(self.transfer_bandwidth_gbps > 0, "[cluster] transfer_bandwidth_gbps", "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "[cluster] kv_transfer_timeout_s", "must be > 0")
         _check(0 <= self.drain_grace_s <= 3600, "[cluster] drain_grace_s", "must be in 0..3600")
+        tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        _check(
+            all(tls) or not any(tls),
+            "[cluster] tls_cert_file",
+            "tls_cert_file, tls_key_file and tls_ca_file go together",
+        )
+        for key in ("tls_cert_file", "tls_key_file", "tls_ca_file", "etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
+            path = getattr(self, key)
+            _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file: {path}")
 
 
 @dataclass
@@ -179,11 +195,19 @@ class GatewayConfig:
     port: int = 8000  # 0 = any free port
     api_keys: list[str] = field(default_factory=list)  # accepted bearer keys; empty = open (warned)
     max_request_bytes: int = 1 << 20  # larger bodies get 413
+    max_concurrent_requests: int = 1024  # generations in flight through this gateway; more get 429
+    tls_cert_file: str = ""  # serve HTTPS with this PEM certificate and key; "" = HTTP
+    tls_key_file: str = ""
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
         _check(0 <= self.port <= 65535, "[gateway] port", "must be in 0..65535")
         _check(self.max_request_bytes >= 1024, "[gateway] max_request_bytes", "must be >= 1024")
+        _check(self.max_concurrent_requests >= 1, "[gateway] max_concurrent_requests", "must be >= 1")
+        _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "[gateway] tls_cert_file", "needs tls_key_file too")
+        for key in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, key)
+            _check(not path or Path(path).is_file(), f"[gateway] {key}", f"no such file: {path}")
 
 
 @dataclass

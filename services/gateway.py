@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class Gateway:
         self.keys = [k.encode() for k in config.gateway.api_keys]
         self._channel: grpc.aio.Channel | None = None
         self._tokenizer: Tokenizer | None = None
+        self.in_flight = 0  # requests being generated (the event loop is the only writer)
         self._max_model_len = 0
 
     @property
@@ -293,7 +294,39 @@ def create_app(config: Config) -> FastAPI:
     return app
 
 
+class _Stream(StreamingResponse):
+    """A streaming response that always runs ``cleanup`` when it ends: finished, failed, or the client left."""
+
+    def __init__(self, body: AsyncIterator[str], headers: dict[str, str], cleanup: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cleanup()
+
+
 async def _generate(
+    gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
+) -> Response:
+    """Admit the request under ``[gateway] max_concurrent_requests`` and run it."""
+    limit = gateway.config.gateway.max_concurrent_requests
+    if gateway.in_flight >= limit:
+        return _error(429, f"the gateway already serves {limit} requests ([gateway] max_concurrent_requests)")
+    gateway.in_flight += 1
+    streaming = False
+    try:
+        response = await _run(gateway, body, request, prompt, chat)
+        streaming = isinstance(response, _Stream)
+        return response
+    finally:
+        if not streaming:  # a stream releases its slot when it ends
+            gateway.in_flight -= 1
+
+
+async def _run(
     gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
 ) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -308,8 +341,12 @@ async def _generate(
     shaper = _Shaper(gateway.model, request_id, chat)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = _sse(call, first, shaper, include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+        def cleanup() -> None:
+            call.cancel()  # the client may have left before the stream began: stop the work on the workers
+            gateway.in_flight -= 1
+
+        return _Stream(_sse(call, first, shaper, include_usage), headers, cleanup)
     text, finish, usage = first.text, first.finish_reason, first.usage
     try:
         while (message := await call.read()) is not grpc.aio.EOF:
@@ -409,4 +446,6 @@ def run_gateway(config: Config) -> None:
         port=config.gateway.port,
         log_level=config.telemetry.log_level,
         timeout_graceful_shutdown=5,
+        ssl_certfile=config.gateway.tls_cert_file or None,
+        ssl_keyfile=config.gateway.tls_key_file or None,
     )

@@ -26,6 +26,7 @@ from services.config import Config, load_config
 from services.etcd_server import EmbeddedEtcd
 from services.net import free_port
 from services.registry import Registry
+from services.serve import etcd_auth
 
 READY_TIMEOUT_S = 180.0
 STOP_GRACE_S = 5.0  # beyond [cluster] drain_grace_s, before SIGKILL
@@ -56,7 +57,8 @@ class Cluster:
     @property
     def base_url(self) -> str:
         """The REST base URL."""
-        return f"http://{self.config.gateway.host}:{self.config.gateway.port}/v1"
+        scheme = "https" if self.config.gateway.tls_cert_file else "http"
+        return f"{scheme}://{self.config.gateway.host}:{self.config.gateway.port}/v1"
 
     def start(self) -> None:
         """Start every process and wait until the cluster is ready (stops what started on failure)."""
@@ -149,7 +151,9 @@ class Cluster:
 
     def _wait_ready(self) -> None:
         expected = {(c.role, c.instance_id) for c in self.children if c.role != "gateway"}
-        with Registry(self.config.cluster.etcd_endpoints, self.config.cluster.name) as registry:
+        with Registry(
+            self.config.cluster.etcd_endpoints, self.config.cluster.name, auth=etcd_auth(self.config)
+        ) as registry:
             deadline = time.monotonic() + READY_TIMEOUT_S
             while time.monotonic() < deadline:
                 self._check_alive()
@@ -161,7 +165,9 @@ class Cluster:
 
     def _gateway_healthy(self) -> bool:
         try:
-            return httpx.get(self.base_url.removesuffix("/v1") + "/health", timeout=1.0).status_code == 200
+            # A liveness probe of the process just started on this host: its certificate is not the question here.
+            url = self.base_url.removesuffix("/v1") + "/health"
+            return httpx.get(url, timeout=1.0, verify=False).status_code == 200
         except httpx.HTTPError:
             return False
 

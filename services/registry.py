@@ -77,11 +77,28 @@ def _decode(prefix: str, kvs: Sequence[Any], roles: Collection[str] | None = Non
     return records
 
 
-def connect(endpoints: Sequence[tuple[str, int]], timeout: float) -> Any:
+@dataclass(frozen=True)
+class EtcdAuth:
+    """TLS files and credentials for an etcd that asks for them (all optional)."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `pyetcd.client`."""
+        return {"ca_cert": self.ca_file, "cert_cert": self.cert_file, "cert_key": self.key_file,
+                "user": self.user, "password": self.password}  # fmt: skip
+
+
+def connect(endpoints: Sequence[tuple[str, int]], timeout: float, auth: EtcdAuth | None = None) -> Any:
     """Return a pyetcd client on the first endpoint that answers a read within `timeout`."""
     errors = []
+    credentials = auth.client_kwargs() if auth is not None else {}
     for host, port in endpoints:
-        client = pyetcd.client(host, port, timeout=timeout, grpc_options=_GRPC_OPTIONS)
+        client = pyetcd.client(host, port, timeout=timeout, grpc_options=_GRPC_OPTIONS, **credentials)
         try:
             client.get_response("/kvconductor/")
             return client
@@ -101,8 +118,10 @@ class RegistryWatch:
         callback: Callable[[InstanceEvent], None],
         roles: Collection[str] | None,
         timeout: float,
+        auth: EtcdAuth | None = None,
     ) -> None:
         self._endpoints = endpoints
+        self._auth = auth
         self._prefix = prefix
         self._callback = callback
         self._roles = set(roles) if roles is not None else None
@@ -122,7 +141,7 @@ class RegistryWatch:
         failures = 0
         while not self._stop.is_set():
             try:
-                client = connect(self._endpoints, self._timeout)
+                client = connect(self._endpoints, self._timeout, self._auth)
                 failures = 0
                 try:
                     self._follow(client)
@@ -175,7 +194,9 @@ class RegistryWatch:
 class Registry:
     """Registers at most one instance under a lease and watches/lists a cluster's instances."""
 
-    def __init__(self, endpoints: str | Sequence[str], cluster: str, ttl: int = 3) -> None:
+    def __init__(
+        self, endpoints: str | Sequence[str], cluster: str, ttl: int = 3, auth: EtcdAuth | None = None
+    ) -> None:
         names = [endpoints] if isinstance(endpoints, str) else builtins.list(endpoints)
         if not names:
             raise ValueError("Registry needs at least one etcd endpoint")
@@ -183,6 +204,7 @@ class Registry:
         if ttl < 2:
             raise ValueError(f"ttl must be at least 2 s (etcd's minimum lease TTL), got {ttl}")
         self._endpoints = [_parse_endpoint(name) for name in names]
+        self._auth = auth
         self.prefix = f"/kvconductor/{cluster}/instances/"
         self.ttl = ttl
         self._rpc_timeout = max(1.0, ttl / 3)
@@ -235,7 +257,7 @@ class Registry:
         with self._lock:
             try:
                 if self._lease_id is not None:
-                    self._client = self._client or connect(self._endpoints, self._rpc_timeout)
+                    self._client = self._client or connect(self._endpoints, self._rpc_timeout, self._auth)
                     self._client.revoke_lease(self._lease_id)
             except Exception as exc:  # etcd down: the lease expires on its own after ttl
                 _log.warning("registry: could not revoke lease of %s: %r", self._key, exc)
@@ -253,14 +275,14 @@ class Registry:
 
         `roles` restricts the events to those roles. Stop with the returned handle's stop().
         """
-        handle = RegistryWatch(self._endpoints, self.prefix, callback, roles, self._rpc_timeout)
+        handle = RegistryWatch(self._endpoints, self.prefix, callback, roles, self._rpc_timeout, self._auth)
         self._watches.append(handle)
         return handle
 
     def list(self, role: str | None = None) -> dict[InstanceKey, Record]:
         """Return {(role, instance_id): record} of the instances registered now."""
         prefix = self.prefix if role is None else f"{self.prefix}{role}/"
-        client = connect(self._endpoints, self._rpc_timeout)
+        client = connect(self._endpoints, self._rpc_timeout, self._auth)
         try:
             kvs = client.get_prefix_response(prefix).kvs
         finally:
@@ -288,7 +310,7 @@ class Registry:
 
     def _sync(self) -> None:
         if self._client is None:
-            self._client = connect(self._endpoints, self._rpc_timeout)
+            self._client = connect(self._endpoints, self._rpc_timeout, self._auth)
         if self._lease_id is not None:
             answers = builtins.list(self._client.refresh_lease(self._lease_id))
             if not answers or answers[0].TTL <= 0:

@@ -18,6 +18,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -173,9 +174,56 @@ class _StreamTraceContext(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_trace_context(client_call_details), request)
 
 
+@dataclass(frozen=True)
+class Tls:
+    """TLS for gRPC between the services: PEM certificate, key and the CA that signed the peers' certificates."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def from_files(cls, cert_file: str, key_file: str, ca_file: str) -> Tls | None:
+        """None when no certificate is configured (plaintext)."""
+        if not cert_file:
+            return None
+        return cls(Path(cert_file).read_bytes(), Path(key_file).read_bytes(), Path(ca_file).read_bytes())
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Serve with our certificate and require clients to present one the CA signed (mutual TLS)."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Verify servers against the CA and present our certificate."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+
+# The process's TLS settings, set once at start-up by `use_tls` from [cluster] tls_*; None = plaintext. Every
+# server and channel of the process follows them, so a cluster is all TLS or all plaintext.
+_tls: Tls | None = None
+
+
+def use_tls(tls: Tls | None) -> None:
+    """Set this process's TLS settings (before serving or connecting)."""
+    global _tls
+    _tls = tls
+
+
 def channel(address: str) -> grpc.aio.Channel:
-    """A channel to a kvconductor service that propagates the trace context."""
-    return grpc.aio.insecure_channel(address, interceptors=[_UnaryTraceContext(), _StreamTraceContext()])
+    """A channel to a kvconductor service that propagates the trace context (TLS when configured)."""
+    interceptors = [_UnaryTraceContext(), _StreamTraceContext()]
+    if _tls is None:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, _tls.channel_credentials(), interceptors=interceptors)
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """A blocking channel (command-line tools), TLS when configured."""
+    if _tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, _tls.channel_credentials())
 
 
 @dataclass
@@ -214,7 +262,10 @@ async def serve(
         s.add_to_server(s.servicer, server)
     names = [s.name for s in services] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    target = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(target) if _tls is None else server.add_secure_port(target, _tls.server_credentials())
+    )
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     address = f"{host}:{bound}"

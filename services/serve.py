@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from services.config import Config
-from services.registry import InstanceEvent, Registry
+from services.registry import EtcdAuth, InstanceEvent, Registry
 from services.rpc import serve
 from services.telemetry import setup_tracing
 
@@ -18,10 +19,23 @@ log = logging.getLogger(__name__)
 ROLES = ("kvmeta", "conductor", "prefill", "decode", "colocated", "gateway")
 
 
+def etcd_auth(config: Config) -> EtcdAuth | None:
+    """The etcd client's TLS files and credentials from ``[cluster]`` (None when there are none)."""
+    c = config.cluster
+    password = os.environ.get("KVCONDUCTOR_ETCD_PASSWORD")
+    if not (c.etcd_ca_file or c.etcd_cert_file or c.etcd_user):
+        return None
+    return EtcdAuth(
+        c.etcd_ca_file or None, c.etcd_cert_file or None, c.etcd_key_file or None, c.etcd_user or None, password
+    )
+
+
 def _registry(config: Config) -> Registry:
     if not config.cluster.etcd_endpoints:
         raise ValueError("[cluster] etcd_endpoints is empty: `serve` needs a running etcd (`up` starts one)")
-    return Registry(config.cluster.etcd_endpoints, config.cluster.name, ttl=config.cluster.lease_ttl_s)
+    return Registry(
+        config.cluster.etcd_endpoints, config.cluster.name, ttl=config.cluster.lease_ttl_s, auth=etcd_auth(config)
+    )
 
 
 async def run_kvmeta(config: Config, instance_id: str) -> None:

@@ -8,6 +8,7 @@ import grpc
 
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.config import Config
+from services.rpc import sync_channel
 
 COLUMNS = (
     "role",
@@ -25,7 +26,7 @@ COLUMNS = (
 def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
     record = json.loads(instance.record_json)
     try:
-        with grpc.insecure_channel(instance.address) as channel:
+        with sync_channel(instance.address) as channel:
             load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
         health = "ok"
         blocks = f"{load.num_free_blocks}/{load.num_total_blocks}"
@@ -44,7 +45,7 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
 def print_status(config: Config) -> int:
     """Print the table; 1 when the Conductor cannot be reached."""
     try:
-        with grpc.insecure_channel(config.cluster.scheduler_endpoint) as channel:
+        with sync_channel(config.cluster.scheduler_endpoint) as channel:
             status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=5.0)
     except grpc.RpcError as e:
         print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
@@ -71,7 +72,7 @@ def _table(rows: list[tuple[str, ...]]) -> None:
 def print_decision(config: Config, request_id: str) -> int:
     """Print one request's decision; 1 when it is unknown or the Conductor unreachable."""
     try:
-        with grpc.insecure_channel(config.cluster.scheduler_endpoint) as channel:
+        with sync_channel(config.cluster.scheduler_endpoint) as channel:
             d = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
                 conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=5.0
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -68,7 +69,7 @@ def test_rolling_restart_of_every_worker_under_load_loses_no_request(drained, mo
     assert not loader.is_alive()
     assert [tokens for _, tokens in results] == [expected[i] for i, _ in results]  # all completed, exactly
     log = (drained.run_dir / "conductor-0.log").read_text()
-    assert "decode-0: UNAVAILABLE" in log and "resuming after" in log, "the drain cut no stream"
+    assert re.search(r"decode-0: [A-Z_]+: .*; resuming after \d+ streamed tokens", log), "the drain cut no stream"
 
 
 def test_disconnect_storm_returns_every_block(drained):

@@ -46,6 +46,17 @@ class PrefillCandidate:
     t_queue: float  # seconds of prefill work queued ahead of the request
     model: PrefillModel
     chunk_tokens: int = 0  # prefill chunk; KV of earlier chunks streams out during later ones (0 = no streaming)
+    # On a colocated instance every engine step carries the running batch's decode tokens too, so a prompt's
+    # prefill takes ceil(new / step_tokens) steps each longer by decode_step_s (0 on a prefill instance).
+    decode_step_s: float = 0.0
+    step_tokens: int = 0
+
+    def t_prefill(self, new_tokens: int, cached_tokens: int) -> float:
+        """Predicted prefill time here, including the decode steps it shares on a colocated instance."""
+        t = self.model.predict(new_tokens, cached_tokens)
+        if self.decode_step_s > 0 and self.step_tokens > 0 and new_tokens > 0:
+            t += math.ceil(new_tokens / self.step_tokens) * self.decode_step_s
+        return t
 
     def exposed_tokens(self, num_prompt_tokens: int, reused: int) -> int:
         """Prompt tokens whose KV is still to send after token 0: all, or only the last chunk's."""
@@ -73,6 +84,10 @@ class DecodeCandidate:
     num_free_blocks: int
     max_running: int  # max_concurrent_requests
     model: DecodeModel
+
+    def has_room(self, request: RequestShape) -> bool:
+        """Free KV blocks for the whole request and a free slot."""
+        return self.num_free_blocks >= request.num_blocks and len(self.residents) < self.max_running
 
     def predicted_tbt(self, at: float, context: int) -> float:
         """Step time at time ``at`` with one more request of ``context`` tokens in the batch."""
@@ -181,21 +196,28 @@ class ConductorPolicy:
         request: RequestShape,
         slo: Slo,
         links: LinkModels | None = None,
+        colocated: bool = False,
     ) -> Plan | Rejection:
         """Algorithm 1: pick (prefill, decode) by predicted TTFT and TBT, or reject.
 
         ``links`` predicts KV transfers: copies between prefill instances and the prompt KV's trip to the
-        decode instance. None (the colocated path) means no transfers at all.
+        decode instance. None (the colocated path) means no transfers at all. ``colocated``: each instance
+        both prefills and decodes, so the decode instance is the prefill instance, and only instances with
+        room for the request are candidates.
         """
+        if colocated:
+            room = {d.instance_id for d in decodes if d.has_room(request)}
+            prefills = [p for p in prefills if p.instance_id in room]
         if not prefills:
-            return Rejection("no prefill instance is available")
+            return Rejection(f"no instance is available with {request.num_blocks} free KV blocks and a free slot")
         best = max(prefills, key=lambda p: (request.usable_prefix(p.prefix_len), p.instance_id))
         best_len = request.usable_prefix(best.prefix_len)
         can_copy = links is not None and self.config.policy == "kvcache_centric"
         estimates = tuple(self._estimate(p, best if can_copy else None, request, links) for p in prefills)
         chosen = self._choose(estimates, prefills)
         at = chosen.ttft if self.config.early_rejection == "prediction" else 0.0
-        decode = select_decode(decodes, request, at)
+        decode = select_decode([d for d in decodes if d.instance_id == chosen.instance_id] if colocated else decodes,
+                               request, at)  # fmt: skip
         if decode is None:
             return Rejection(f"no decode instance has {request.num_blocks} free KV blocks and a free slot")
         plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "")
@@ -214,7 +236,7 @@ class ConductorPolicy:
         t_send = (
             0.0 if links is None else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, own)))
         )
-        local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.model.predict(n - own, own), t_send)
+        local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.t_prefill(n - own, own), t_send)
         if best is None or links is None or best.instance_id == p.instance_id:
             return local
         best_len = request.usable_prefix(best.prefix_len)
@@ -226,7 +248,7 @@ class ConductorPolicy:
             local,
             prefix_len=best_len,
             t_transfer=links.model(best.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens)),
-            t_prefill=p.model.predict(n - best_len, best_len),
+            t_prefill=p.t_prefill(n - best_len, best_len),
             t_send=0.0
             if links is None
             else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, best_len))),
@@ -271,7 +293,7 @@ def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at:
     """The decode instance with the lowest predicted TBT at time ``at``, or None if none has room."""
     best: tuple[str, float] | None = None
     for d in decodes:
-        if d.num_free_blocks < request.num_blocks or len(d.residents) >= d.max_running:
+        if not d.has_room(request):
             continue
         tbt = d.predicted_tbt(at, request.num_prompt_tokens)
         if best is None or tbt < best[1]:

@@ -62,8 +62,15 @@ class InstanceView:
 
     def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
         """The instance as a prefill candidate."""
-        chunk = int(self.record["max_num_batched_tokens"]) if self.role == "prefill" else 0
-        return PrefillCandidate(self.instance_id, prefix_len, self.prefilling.t_queue(now), self.prefill_model, chunk)
+        budget = int(self.record["max_num_batched_tokens"])
+        t_queue = self.prefilling.t_queue(now)
+        if self.role == "prefill":
+            return PrefillCandidate(self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=budget)
+        decoding = [r for r in self.decoding.residents(now) if r.t_join <= 0]
+        step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
+        return PrefillCandidate(
+            self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step, step_tokens=budget
+        )
 
     def decode_candidate(self, now: float) -> DecodeCandidate:
         """The instance as a decode candidate."""

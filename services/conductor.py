@@ -314,6 +314,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             shape,
             slo,
             None if colocated else self.links,
+            colocated=colocated,
         )
         job.decision = to_decision(job.request_id, self.policy.config.policy, outcome)
         self.decisions.record(job.decision)

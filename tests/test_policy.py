@@ -1,6 +1,7 @@
 """Algorithm 1, admission and the baselines on scripted cluster states."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -217,3 +218,21 @@ def test_kv_streaming_leaves_only_the_last_chunk_to_send_after_token_0():
     plans = [policy().schedule([c], [decode()], shape(1200), SLO, links) for c in (whole, streamed)]
     assert plans[0].prefill.t_send == pytest.approx(75 / 16)  # 75 blocks
     assert plans[1].prefill.t_send == pytest.approx(11 / 16)  # the last chunk's 11 blocks
+
+
+def test_a_colocated_instance_busy_decoding_loses_its_cache_advantage():
+    # Both colocated; the holder decodes 12 requests, so each of its prefill steps carries a decode step too.
+    busy_step = DECODE.predict(12, 12 * 600)
+    holder = PrefillCandidate("holder", 640, 0.0, PREFILL, decode_step_s=busy_step, step_tokens=16)
+    idle = PrefillCandidate("idle", 0, 0.0, PREFILL, decode_step_s=DECODE.predict(0, 0), step_tokens=16)
+    assert holder.t_prefill(400, 640) == pytest.approx(PREFILL.predict(400, 640) + 25 * busy_step)
+    decodes = [decode("holder"), decode("idle")]
+    plan = policy().schedule([holder, idle], decodes, shape(1040), SLO, None, colocated=True)
+    assert isinstance(plan, Plan)
+    assert (plan.prefill.instance_id, plan.decode_instance) == ("idle", "idle")
+    quiet = replace(holder, decode_step_s=0.0)
+    plan = policy().schedule([quiet, idle], decodes, shape(1040), SLO, None, colocated=True)
+    assert isinstance(plan, Plan) and (plan.prefill.instance_id, plan.decode_instance) == ("holder", "holder")
+    full = [decode("holder", free=3), decode("idle")]  # the holder has no room: the other takes it
+    plan = policy().schedule([quiet, idle], full, shape(1040), SLO, None, colocated=True)
+    assert isinstance(plan, Plan) and plan.decode_instance == "idle"

@@ -200,7 +200,10 @@ def cluster(args: argparse.Namespace, log: Log) -> Iterator[Cluster]:
     if args.cluster_json:
         if args.set:
             raise ValueError("--set configures the own cluster; it cannot change one given by --cluster-json")
-        manifest = json.loads(Path(args.cluster_json).read_text())
+        try:
+            manifest = json.loads(Path(args.cluster_json).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read --cluster-json {args.cluster_json}: {e}") from None
         yield Cluster(manifest, None, f"given ({args.cluster_json})")
         return
     run_dir = REPO / "runs" / time.strftime("soak-%Y%m%d-%H%M%S") / "cluster"

@@ -145,6 +145,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
         self.mean_output_tokens = 0.0  # moving average of completion lengths (0 = none seen yet)
+        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget calls, kept from garbage collection
 
     async def Generate(  # noqa: N802
         self, request: conductor_pb2.GenerateRequest, context: Any
@@ -369,7 +370,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 metrics.RETRIES.labels(job.path).inc()
 
     def _pool(self, role: str, job: Job) -> list[InstanceView]:
-        return [v for v in self.view.pool(role) if v.instance_id not in job.failed]
+        pool = [v for v in self.view.pool(role) if v.instance_id not in job.failed]
+        if not pool and job.failed:  # a retry with nowhere left to go: the failure, not a capacity rejection
+            raise RpcError(UNAVAILABLE, f"no {role} instance left after {', '.join(sorted(job.failed))} failed")
+        return pool
 
     async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
         tokens, sampling = job.tokens, job.attempt_sampling  # this attempt's, before it streams anything
@@ -432,9 +436,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return response
 
     async def _release_reservation(self, job: Job, d: InstanceView) -> None:
-        """Give back d's blocks (best effort: a dead d has freed them, and a live one expires them anyway)."""
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id), timeout=5.0)
+        """Give back d's blocks, in the background: a dead or cut-off d must not delay the request's retry.
+
+        Best effort: a dead d has lost them anyway, and a live one frees them after kv_transfer_timeout_s.
+        """
+
+        async def release() -> None:
+            with contextlib.suppress(Exception):  # a closed channel, a cut link, a dead worker
+                await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id), timeout=5.0)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _learn(self, job: Job, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
         """Feed measured transfers to the link models, the prediction errors and the decision; log them."""

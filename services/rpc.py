@@ -211,12 +211,29 @@ def use_tls(tls: Tls | None) -> None:
     _tls = tls
 
 
+# HTTP/2 pings on idle and busy connections: a peer cut off mid-stream (a dead link, not a dead process) is
+# noticed within keepalive_time + keepalive_timeout instead of when TCP gives up, minutes later.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 def channel(address: str) -> grpc.aio.Channel:
     """A channel to a kvconductor service that propagates the trace context (TLS when configured)."""
     interceptors = [_UnaryTraceContext(), _StreamTraceContext()]
     if _tls is None:
-        return grpc.aio.insecure_channel(address, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, _tls.channel_credentials(), interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address, _tls.channel_credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors
+    )
 
 
 def sync_channel(address: str) -> grpc.Channel:
@@ -255,7 +272,7 @@ async def serve(
     runs once the server listens, before the instance registers.
     """
     services = list(services)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for s in services:

@@ -49,17 +49,14 @@ KV_TIMEOUT_S = 3.0
 LINK_RATE = "32mbit"  # 4 MB/s: a 1,536-token prompt's 6 MiB of KV take about 1.5 s to cross
 LONG_PROMPT = 1536
 MAX_TOKENS = 12
-# Leases outlive the KV timeout, so the Conductor still holds the cut decode worker's channel when the
-# write times out. With a lease shorter than the timeout (the defaults: 3 s and 30 s) the worker leaves the
-# Conductor's view first, its channel is closed, and the Conductor's best-effort Release on it raises
-# grpc's UsageError ("Channel is closed"), which escapes `_release_reservation` (it suppresses only
-# AioRpcError): the client gets INTERNAL "internal error: UsageError" and the request is not resumed.
-LEASE_TTL_S = 10
+# Shorter than the KV timeout: the cut worker leaves the Conductor's view (and its channel closes) before the
+# write times out, the case where a release on the closed channel once escaped as INTERNAL.
+LEASE_TTL_S = 2
 CUT_AFTER_BYTES = 512 * 1024  # KV bytes seen on the link before the cut (the prompt has 6 MiB)
 # A cut request must end (completed elsewhere, or failed) within this long after the cut: the KV write
 # times out after kv_transfer_timeout_s; the rest is the retry (reserve, prefill from the prefix cache,
-# KV over the other link) plus the Conductor's best-effort Release call to the cut host (up to 5 s).
-CUT_BOUND_S = KV_TIMEOUT_S + 5.0 + 10.0
+# KV over the other link). The release of the cut host's reservation runs in the background.
+CUT_BOUND_S = KV_TIMEOUT_S + 10.0
 
 
 def _skip_reason() -> str | None:
@@ -349,7 +346,7 @@ def test_link_cut_with_no_other_decode_worker_fails_clearly_within_the_bound(hos
     elapsed = result.ended - result.cut_at
     assert result.cut == cut
     assert result.error is not None, "the request completed although its only decode host was cut off"
-    assert result.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert result.error.code() == grpc.StatusCode.UNAVAILABLE
     assert "internal error" not in result.error.details()
     assert elapsed < CUT_BOUND_S, f"the failure came {elapsed:.1f} s after the cut"
     print(f"failed {elapsed:.1f} s after the cut: {result.error.code().name}: {result.error.details()}")

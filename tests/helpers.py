@@ -3,76 +3,34 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services import local_cluster
+from services.local_cluster import LocalCluster
 
-READY_TIMEOUT_S = 240
 MAX_TOKENS = 12
 
 
-@dataclass
-class LocalCluster:
-    """A running `kvconductor up` and what its cluster.json says."""
-
-    process: subprocess.Popen[bytes]
-    run_dir: Path
-    manifest: dict
-
-    @property
-    def rest(self) -> str:
-        return self.manifest["rest"]
-
-    @property
-    def conductor(self) -> str:
-        return self.manifest["conductor"]
-
-    def pid(self, instance_id: str) -> int:
-        return self.manifest["processes"][instance_id]["pid"]
-
-    def log(self, instance_id: str) -> str:
-        return Path(self.manifest["processes"][instance_id]["log"]).read_text(errors="replace")
+TEST_OVERRIDES = (
+    "prefill.kv_cache_memory_mb=64", "decode.kv_cache_memory_mb=64", "colocated.kv_cache_memory_mb=64",
+    "cluster.lease_ttl_s=2",
+)  # fmt: skip
 
 
 def launch_cluster(run_dir: Path, model: Path, *overrides: str) -> LocalCluster:
-    """Start `kvconductor up` on free loopback ports; wait for cluster.json."""
-    args = [
-        sys.executable, "-m", "services.cli", "up", "--config", "deploy/config.toml", "--run-dir", str(run_dir),
-        "--set", f'model.path="{model}"', "--set", "cluster.etcd_port=0",
-        "--set", 'cluster.scheduler_endpoint="127.0.0.1:0"',
-        "--set", "gateway.port=0", "--set", "prefill.kv_cache_memory_mb=64", "--set", "decode.kv_cache_memory_mb=64",
-        "--set", "colocated.kv_cache_memory_mb=64", "--set", "cluster.lease_ttl_s=2",
-    ]  # fmt: skip
-    for override in overrides:
-        args += ["--set", override]
-    log = (run_dir.parent / f"{run_dir.name}-up.log").open("wb")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
-    manifest_path = run_dir / "cluster.json"
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not manifest_path.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_cluster(process)
-            raise RuntimeError(f"kvconductor up failed:\n{Path(log.name).read_text()[-5000:]}")
-        time.sleep(0.25)
-    return LocalCluster(process, run_dir, json.loads(manifest_path.read_text()))
+    """A cluster of the test model on free loopback ports, with small KV pools and short leases."""
+    return local_cluster.start("deploy/config.toml", [f'model.path="{model}"', *TEST_OVERRIDES, *overrides], run_dir)
 
 
 def stop_cluster(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launcher (it stops its children); SIGKILL it if it hangs."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """Stop a launched cluster."""
+    local_cluster.stop(process)
 
 
 def grpc_generate(cluster, prompt_ids, deployment, max_tokens=MAX_TOKENS, request_id=""):

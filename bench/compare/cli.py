@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import report
-from bench.compare.cluster import COLOCATED, DISAGGREGATED, REPO
+from bench.compare.cluster import COLOCATED, DISAGGREGATED
 from bench.compare.measure import measure
 from bench.compare.routers import DEFAULT_CONTENDERS
 from bench.serve.cli import add_slo_arguments, add_workload_arguments
 from bench.serve.metrics import jsonable
+from services.local_cluster import REPO
 
 DEFAULT_OUT = "bench/results/compare"
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.compare.cluster import local_cluster
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
+from services.local_cluster import local_cluster
 
 
 def measure(

@@ -51,11 +51,12 @@ from typing import Any
 import httpx
 
 from bench.compare import report
-from bench.compare.cluster import COLOCATED, local_cluster
+from bench.compare.cluster import COLOCATED
 from bench.serve import metrics
 from bench.serve.cli import build_workload
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import shared_prefix
+from services.local_cluster import local_cluster
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
 ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router"}

@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare.cli import git_state
-from bench.compare.cluster import DISAGGREGATED, REPO
+from bench.compare.cluster import DISAGGREGATED
 from bench.serve import metrics
 from bench.serve.client import RequestResult
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import BenchRequest, random_lengths, shared_prefix
 from bench.soak import report
-from bench.soak.cluster import own_cluster
 from bench.soak.probe import Prober, cluster_processes, worker_addresses
+from services.local_cluster import REPO, local_cluster
 
 DEFAULT_OUT = "bench/results/soak"
 DEFAULT_REQUESTS = 150
@@ -210,7 +210,7 @@ def cluster(args: argparse.Namespace, log: Log) -> Iterator[Cluster]:
     overrides = (*DISAGGREGATED, *SMALL_KV, *args.set)
     log(f"starting a cluster (kvconductor up; logs in {run_dir}): {' '.join(overrides)}")
     try:
-        with own_cluster(args.config, overrides, run_dir) as running:
+        with local_cluster(args.config, overrides, run_dir) as running:
             log(f"cluster up in {running.startup_s:.1f} s at {running.manifest['rest']}")
             description = "own: 1 prefill + 1 decode, " + ", ".join(overrides[3:])
             yield Cluster(running.manifest, running.process.pid, description, str(run_dir))

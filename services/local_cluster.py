@@ -76,7 +76,7 @@ def start(
 
 
 def stop(process: subprocess.Popen[bytes], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the launcher and wait (it stops its children); SIGKILL it if it hangs."""
+    """SIGTERM a process and wait (a launcher stops its children); SIGKILL it if it hangs."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:

@@ -38,7 +38,6 @@ import importlib.util
 import json
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -56,7 +55,8 @@ from bench.serve import metrics
 from bench.serve.cli import build_workload
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import shared_prefix
-from services.local_cluster import local_cluster
+from services.local_cluster import local_cluster, stop
+from services.net import free_port
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
 ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router"}
@@ -118,26 +118,14 @@ def router_command(contender: Contender, worker_urls: Sequence[str], port: int, 
             "--prometheus-host", HOST, "--prometheus-port", str(metrics_port), "--log-level", level]  # fmt: skip
 
 
-def _free_port() -> int:
-    from services.net import free_port
-
-    return free_port()
-
-
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=ROUTER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop(process, ROUTER_STOP_TIMEOUT_S)
 
 
 @contextmanager
 def running_router(contender: Contender, worker_urls: Sequence[str], log_path: Path) -> Iterator[str]:
     """Start the router, wait until ``GET /health`` answers 200, yield its ``/v1`` base URL, stop it."""
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     command = router_command(contender, worker_urls, port, metrics_port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:

@@ -293,3 +293,23 @@ def test_colocated_worker_serves_the_openai_api_itself(cluster):
     tokenized = httpx.post(f"{url}/tokenize", json={"model": "tiny-llama", "prompt": "Hello"}, timeout=10).json()
     assert tokenized == {"count": 5, "max_model_len": 4096, "tokens": list(b"Hello")}
     assert httpx.get(f"{url}/get_load", timeout=10).json()["load"] == 0
+
+
+def test_async_openai_client_streaming_and_not(cluster):
+    import asyncio
+
+    async def both():
+        async with openai.AsyncOpenAI(base_url=cluster.rest, api_key="unused") as client:
+            messages = [{"role": "user", "content": "Hello again"}]
+            whole = await client.chat.completions.create(
+                model="tiny-llama", messages=messages, max_tokens=5, extra_body={"ignore_eos": True}
+            )
+            stream = await client.chat.completions.create(
+                model="tiny-llama", messages=messages, max_tokens=5, stream=True, extra_body={"ignore_eos": True}
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            return whole, text
+
+    whole, streamed = asyncio.run(both())
+    assert whole.usage.completion_tokens == 5 and whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].message.content == streamed  # greedy: the same text either way

@@ -301,12 +301,9 @@ def test_async_openai_client_streaming_and_not(cluster):
     async def both():
         async with openai.AsyncOpenAI(base_url=cluster.rest, api_key="unused") as client:
             messages = [{"role": "user", "content": "Hello again"}]
-            whole = await client.chat.completions.create(
-                model="tiny-llama", messages=messages, max_tokens=5, extra_body={"ignore_eos": True}
-            )
-            stream = await client.chat.completions.create(
-                model="tiny-llama", messages=messages, max_tokens=5, stream=True, extra_body={"ignore_eos": True}
-            )
+            options = {"model": "tiny-llama", "messages": messages, "max_tokens": 5, "temperature": 0}
+            whole = await client.chat.completions.create(**options, extra_body={"ignore_eos": True})
+            stream = await client.chat.completions.create(**options, stream=True, extra_body={"ignore_eos": True})
             text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
             return whole, text
 

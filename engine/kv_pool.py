@@ -101,7 +101,3 @@ class KVPool:
         num_seqs, _, _, _, num_heads, head_dim = context.shape
         context = context.transpose(2, 3).reshape(num_seqs, -1, 2, num_heads, head_dim)
         return context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
-
-    def layer(self, layer_idx: int) -> torch.Tensor:
-        """View ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` of one layer's K and V."""
-        return self.data[:, layer_idx]

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2_grpc
+from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 from scheduler.booking import Bookings
 from scheduler.cost_model import DecodeModel, PrefillModel
 from scheduler.policy import DecodeCandidate, PrefillCandidate
@@ -54,11 +54,6 @@ class InstanceView:
     def colocated_stub(self) -> colocated_pb2_grpc.ColocatedStub:
         """Stub of the Colocated service."""
         return colocated_pb2_grpc.ColocatedStub(self.channel)
-
-    @property
-    def worker_stub(self) -> worker_pb2_grpc.WorkerStub:
-        """Stub of the Worker service."""
-        return worker_pb2_grpc.WorkerStub(self.channel)
 
     def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
         """The instance as a prefill candidate."""

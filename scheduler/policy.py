@@ -120,6 +120,9 @@ class Slo:
     max_ttft: float
     max_tbt: float
     reject: bool = True
+    # Time every request spends outside the instances (client hops, scheduling, relaying), learned by the
+    # Conductor from measured TTFTs; the same for every candidate, so it counts for admission only.
+    ttft_overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,12 @@ class Plan:
     best_instance: str
     candidates: tuple[PrefillEstimate, ...]
     reason: str
+    ttft_overhead: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        """Predicted TTFT as the client sees it: the chosen instance's estimate plus the fixed overhead."""
+        return self.prefill.ttft + self.ttft_overhead
 
 
 @dataclass(frozen=True)
@@ -220,7 +229,7 @@ class ConductorPolicy:
                                request, at)  # fmt: skip
         if decode is None:
             return Rejection(f"no decode instance has {request.num_blocks} free KV blocks and a free slot")
-        plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "")
+        plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "", slo.ttft_overhead)
         plan = replace(plan, reason=self._explain(plan))
         return admit(plan, slo)
 
@@ -303,9 +312,9 @@ def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at:
 
 def admit(plan: Plan, slo: Slo) -> Plan | Rejection:
     """Reject a plan that breaks the TTFT or TBT SLO (when the operator asks for rejection)."""
-    if slo.reject and plan.prefill.ttft > slo.max_ttft:
+    if slo.reject and plan.ttft > slo.max_ttft:
         return Rejection(
-            f"predicted TTFT {plan.prefill.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms",
+            f"predicted TTFT {plan.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms",
             plan,
             "ttft_slo",
         )

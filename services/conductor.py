@@ -50,6 +50,7 @@ from services.telemetry import tracer
 
 log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+OVERHEAD_WEIGHT = 0.1  # of each request's residual in the TTFT-overhead average
 
 
 @dataclass
@@ -145,6 +146,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
         self.mean_output_tokens = 0.0  # moving average of completion lengths (0 = none seen yet)
+        self.ttft_overhead = 0.0  # moving average of measured TTFT beyond the chosen instance's estimate
         self._background: set[asyncio.Future[None]] = set()  # fire-and-forget calls, kept from garbage collection
 
     async def Generate(  # noqa: N802
@@ -308,7 +310,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )
         ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
         tbt_cfg: WorkerConfig = self.config.colocated if colocated else self.config.decode
-        slo = Slo(ttft_cfg.max_ttft_ms / 1e3, tbt_cfg.max_tbt_ms / 1e3, self.config.scheduler.reject_on_slo_violation)
+        slo = Slo(
+            ttft_cfg.max_ttft_ms / 1e3,
+            tbt_cfg.max_tbt_ms / 1e3,
+            self.config.scheduler.reject_on_slo_violation,
+            ttft_overhead=self.ttft_overhead,
+        )
         outcome = self.policy.schedule(
             [v.prefill_candidate(prefix.get(v.instance_id, 0), now) for v in prefills],
             [v.decode_candidate(now) for v in decodes],
@@ -540,7 +547,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             return
         ttft = times[0] - job.arrived
         tbt = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else 0.0
-        self.errors.record("ttft", job.plan.prefill.ttft, ttft)
+        self.errors.record("ttft", job.plan.ttft, ttft)
+        residual = ttft - job.plan.prefill.ttft  # what the instances' models do not see
+        self.ttft_overhead = max(0.0, (1 - OVERHEAD_WEIGHT) * self.ttft_overhead + OVERHEAD_WEIGHT * residual)
         self.errors.record("tbt", job.plan.tbt, tbt)
         metrics.TTFT.labels(job.path).observe(ttft)
         metrics.E2E.labels(job.path).observe(times[-1] - job.arrived)

@@ -50,7 +50,7 @@ def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> cond
             t_transfer_ms=e.t_transfer * 1e3,
             t_prefill_ms=e.t_prefill * 1e3,
             t_send_ms=e.t_send * 1e3,
-            predicted_ttft_ms=e.ttft * 1e3,
+            predicted_ttft_ms=plan.ttft * 1e3,
             predicted_tbt_ms=plan.tbt * 1e3,
             candidates=[_candidate(c) for c in plan.candidates],
         )

@@ -236,3 +236,15 @@ def test_a_colocated_instance_busy_decoding_loses_its_cache_advantage():
     full = [decode("holder", free=3), decode("idle")]  # the holder has no room: the other takes it
     plan = policy().schedule([quiet, idle], full, shape(1040), SLO, None, colocated=True)
     assert isinstance(plan, Plan) and plan.decode_instance == "idle"
+
+
+def test_the_measured_ttft_overhead_counts_for_admission_not_for_the_choice():
+    cluster = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 0, 0.1, PREFILL)]
+    n = 3000  # about 0.7 s of prefill
+    alone = policy().schedule(cluster, [decode()], shape(n), Slo(1.0, 1.0))
+    assert isinstance(alone, Plan) and alone.prefill.instance_id == "p0" and alone.ttft == alone.prefill.ttft
+    late = policy().schedule(cluster, [decode()], shape(n), Slo(1.0, 1.0, ttft_overhead=0.5))
+    assert isinstance(late, Rejection) and late.kind == "ttft_slo"
+    assert late.plan is not None and late.plan.prefill.instance_id == "p0"
+    assert late.plan.ttft == pytest.approx(late.plan.prefill.ttft + 0.5)
+    assert f"{late.plan.ttft * 1e3:.0f} ms" in late.reason

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def drained(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("drain")
-    # A short grace, so that long streams are cut by the drain and must resume elsewhere.
+    # No grace: the drain cuts whatever is in flight, so every drain exercises resumption elsewhere.
     c = launch_cluster(
-        root / "run", model_dir, "prefill.node_count=1", "decode.node_count=1", "cluster.drain_grace_s=1"
+        root / "run", model_dir, "prefill.node_count=1", "decode.node_count=1", "cluster.drain_grace_s=0"
     )
     c.extra, c.scratch = [], root
     try:

@@ -17,8 +17,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -44,6 +43,7 @@ from services.cluster_view import ClusterView, InstanceView
 from services.config import Config, WorkerConfig
 from services.decisions import DecisionLog, decision_attributes, to_decision
 from services.detokenizer import Detokenizer
+from services.job import RETRYABLE, Job, Piece, WorkerFailure, blame
 from services.prediction_errors import PredictionErrors
 from services.rpc import KV_TRANSFER_FAILED, RpcError, Service
 from services.telemetry import tracer
@@ -51,87 +51,6 @@ from services.telemetry import tracer
 log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 OVERHEAD_WEIGHT = 0.1  # of each request's residual in the TTFT-overhead average
-
-
-@dataclass
-class Job:
-    """A validated request."""
-
-    request_id: str
-    prompt: list[int]
-    sampling: common_pb2.SamplingParams
-    stop: list[str]
-    block_hashes: list[bytes] = field(default_factory=list)
-    arrived: float = field(default_factory=time.monotonic)
-    path: str = ""  # "disaggregated" or "colocated"
-    plan: Plan | None = None
-    decision: conductor_pb2.Decision | None = None
-    generated: list[int] = field(default_factory=list)  # tokens streamed so far (a resumed attempt continues them)
-    failed: set[str] = field(default_factory=set)  # instances that failed this request
-
-    @property
-    def tokens(self) -> list[int]:
-        """What the current attempt prefills: the prompt, plus the tokens already streamed."""
-        return self.prompt + self.generated
-
-    @property
-    def attempt_sampling(self) -> common_pb2.SamplingParams:
-        """The sampling parameters of the current attempt (max_tokens less what was streamed)."""
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
-        sampling.max_tokens -= len(self.generated)
-        return sampling
-
-    def attempt_hashes(self, block_size: int) -> list[bytes]:
-        """Chained block hashes of ``tokens``."""
-        return self.block_hashes if not self.generated else prefix_block_hashes(self.tokens, block_size)
-
-
-class WorkerFailure(Exception):
-    """A worker failed a request in a way another worker may not (it died, drained, or its link broke)."""
-
-    def __init__(self, instance_id: str, cause: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{instance_id}: {cause.code().name}: {cause.details()}")
-        self.instance_id = instance_id
-        self.cause = cause
-
-
-RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-     grpc.StatusCode.DEADLINE_EXCEEDED}
-)  # fmt: skip
-
-
-@contextlib.contextmanager
-def blame(instance_id: str) -> Iterator[None]:
-    """Turn a retryable error of a call to ``instance_id`` into a WorkerFailure of that instance.
-
-    A call cancelled under us (its channel closed) surfaces as CancelledError although this task is not
-    being cancelled: that too is the instance's failure, not the client's departure.
-    """
-    try:
-        yield
-    except grpc.aio.AioRpcError as e:
-        if e.code() in RETRYABLE:
-            raise WorkerFailure(instance_id, e) from e
-        raise
-    except asyncio.CancelledError as e:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        cause = grpc.aio.AioRpcError(
-            grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "call cancelled"
-        )
-        raise WorkerFailure(instance_id, cause) from e
-
-
-@dataclass
-class Piece:
-    """Tokens from a worker, with what the first one knows about the request."""
-
-    token_ids: list[int]
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    cached_tokens: int = 0
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):

@@ -12,9 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ import grpc
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -44,19 +42,11 @@ from services.openai_protocol import (
     TokenizeRequest,
     error_body,
 )
+from services.openai_responses import HTTP_STATUS, Shaper, StreamingReply, sse_events
 from services.rpc import channel
 from services.telemetry import extract_context, tracer
 
 log = logging.getLogger(__name__)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 ROUTES = ("/health", "/metrics", "/tokenize", "/get_load", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -294,20 +284,6 @@ def create_app(config: Config) -> FastAPI:
     return app
 
 
-class _Stream(StreamingResponse):
-    """A streaming response that always runs ``cleanup`` when it ends: finished, failed, or the client left."""
-
-    def __init__(self, body: AsyncIterator[str], headers: dict[str, str], cleanup: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=headers)
-        self.cleanup = cleanup
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.cleanup()
-
-
 async def _generate(
     gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
 ) -> Response:
@@ -319,7 +295,7 @@ async def _generate(
     streaming = False
     try:
         response = await _run(gateway, body, request, prompt, chat)
-        streaming = isinstance(response, _Stream)
+        streaming = isinstance(response, StreamingReply)
         return response
     finally:
         if not streaming:  # a stream releases its slot when it ends
@@ -338,7 +314,7 @@ async def _run(
     headers = {"x-request-id": request_id}
     if first is grpc.aio.EOF:
         return _error(500, "the Conductor ended the stream without a response", request_id=request_id)
-    shaper = _Shaper(gateway.model, request_id, chat)
+    shaper = Shaper(gateway.model, request_id, chat)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -346,7 +322,7 @@ async def _run(
             call.cancel()  # the client may have left before the stream began: stop the work on the workers
             gateway.in_flight -= 1
 
-        return _Stream(_sse(call, first, shaper, include_usage), headers, cleanup)
+        return StreamingReply(sse_events(call, first, shaper, include_usage), headers, cleanup)
     text, finish, usage = first.text, first.finish_reason, first.usage
     try:
         while (message := await call.read()) is not grpc.aio.EOF:
@@ -355,87 +331,6 @@ async def _run(
     except grpc.aio.AioRpcError as e:
         return _grpc_error(e, request_id)
     return JSONResponse(shaper.whole(text, finish, usage), headers=headers)
-
-
-async def _sse(
-    call: Any, first: conductor_pb2.GenerateResponse, shaper: _Shaper, include_usage: bool
-) -> AsyncIterator[str]:
-    """SSE events for each Conductor message; an error mid-stream becomes an error event."""
-    try:
-        if shaper.chat:
-            yield _event(shaper.chunk({"role": "assistant", "content": ""}, None))
-        message = first
-        while True:
-            finish = FINISH.get(message.finish_reason)
-            if message.text or finish:
-                yield _event(shaper.chunk({"content": message.text}, finish))
-            if finish:
-                if include_usage:
-                    yield _event(shaper.usage_chunk(message.usage))
-                break
-            message = await call.read()
-            if message is grpc.aio.EOF:
-                break
-    except grpc.aio.AioRpcError as e:
-        yield _event(error_body(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name))
-    finally:
-        call.cancel()
-    yield "data: [DONE]\n\n"
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-class _Shaper:
-    """Builds OpenAI response objects for one request."""
-
-    def __init__(self, model: str, request_id: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        self.created = int(time.time())
-
-    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        obj = f"{kind}.chunk" if chunk and self.chat else kind
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def chunk(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        """One streamed chunk."""
-        if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
-        return self._envelope([choice], chunk=True)
-
-    def usage_chunk(self, usage: conductor_pb2.Usage) -> dict[str, Any]:
-        """The final chunk carrying usage (stream_options.include_usage)."""
-        return {**self._envelope([], chunk=True), "usage": _usage(usage)}
-
-    def whole(self, text: str, finish: int, usage: conductor_pb2.Usage) -> dict[str, Any]:
-        """A non-streamed response."""
-        reason = FINISH.get(finish, "stop")
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {**self._envelope([choice], chunk=False), "usage": _usage(usage)}
-
-
-def _usage(usage: conductor_pb2.Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
 
 
 def run_gateway(config: Config) -> None:

@@ -1,0 +1,102 @@
+"""A request as the Conductor runs it, and the failures that make it resume elsewhere.
+
+A ``Job`` is one validated request across its attempts: an attempt prefills the prompt plus the tokens
+already streamed (``tokens``) with what is left of ``max_tokens``. Calls to a worker run under
+``blame(instance_id)``: an error that another worker may not have (it died, drained, lost its link)
+becomes a ``WorkerFailure`` of that instance, which the Conductor answers with a new attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_hash import prefix_block_hashes
+from kvconductor.v1 import common_pb2, conductor_pb2
+from scheduler.policy import Plan
+
+
+@dataclass
+class Job:
+    """A validated request."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: common_pb2.SamplingParams
+    stop: list[str]
+    block_hashes: list[bytes] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
+    path: str = ""  # "disaggregated" or "colocated"
+    plan: Plan | None = None
+    decision: conductor_pb2.Decision | None = None
+    generated: list[int] = field(default_factory=list)  # tokens streamed so far (a resumed attempt continues them)
+    failed: set[str] = field(default_factory=set)  # instances that failed this request
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the current attempt prefills: the prompt, plus the tokens already streamed."""
+        return self.prompt + self.generated
+
+    @property
+    def attempt_sampling(self) -> common_pb2.SamplingParams:
+        """The sampling parameters of the current attempt (max_tokens less what was streamed)."""
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        sampling.max_tokens -= len(self.generated)
+        return sampling
+
+    def attempt_hashes(self, block_size: int) -> list[bytes]:
+        """Chained block hashes of ``tokens``."""
+        return self.block_hashes if not self.generated else prefix_block_hashes(self.tokens, block_size)
+
+
+class WorkerFailure(Exception):
+    """A worker failed a request in a way another worker may not (it died, drained, or its link broke)."""
+
+    def __init__(self, instance_id: str, cause: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{instance_id}: {cause.code().name}: {cause.details()}")
+        self.instance_id = instance_id
+        self.cause = cause
+
+
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+     grpc.StatusCode.DEADLINE_EXCEEDED}
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def blame(instance_id: str) -> Iterator[None]:
+    """Turn a retryable error of a call to ``instance_id`` into a WorkerFailure of that instance.
+
+    A call cancelled under us (its channel closed) surfaces as CancelledError although this task is not
+    being cancelled: that too is the instance's failure, not the client's departure.
+    """
+    try:
+        yield
+    except grpc.aio.AioRpcError as e:
+        if e.code() in RETRYABLE:
+            raise WorkerFailure(instance_id, e) from e
+        raise
+    except asyncio.CancelledError as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        cause = grpc.aio.AioRpcError(
+            grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "call cancelled"
+        )
+        raise WorkerFailure(instance_id, cause) from e
+
+
+@dataclass
+class Piece:
+    """Tokens from a worker, with what the first one knows about the request."""
+
+    token_ids: list[int]
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    cached_tokens: int = 0

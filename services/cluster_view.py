@@ -85,6 +85,7 @@ class ClusterView:
         self.instances: dict[str, InstanceView] = {}
         self.kvmeta_address = ""
         self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
+        self._kvmeta_addresses: dict[str, str] = {}  # kvmeta instances by id, in registration order
         self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -99,11 +100,7 @@ class ClusterView:
 
     def _apply(self, event: InstanceEvent) -> None:
         if event.role == "kvmeta":
-            address = event.record["address"] if event.kind == "put" and event.record else ""
-            if address != self.kvmeta_address and self.kvmeta is not None:
-                asyncio.ensure_future(self.kvmeta.close())
-            self.kvmeta_address = address
-            self.kvmeta = channel(address) if address else None
+            self._apply_kvmeta(event)
             return
         if event.role not in WORKER_ROLES:
             return
@@ -128,6 +125,20 @@ class ClusterView:
         self.instances[event.instance_id] = view
         if old is None:
             log.info("%s %s joined at %s", event.role, event.instance_id, record["address"])
+
+    def _apply_kvmeta(self, event: InstanceEvent) -> None:
+        """Follow the newest kvmeta: a replacement registers before the old one's lease expires."""
+        if event.kind == "put" and event.record:
+            self._kvmeta_addresses[event.instance_id] = event.record["address"]
+        else:
+            self._kvmeta_addresses.pop(event.instance_id, None)
+        address = next(reversed(self._kvmeta_addresses.values()), "")
+        if address == self.kvmeta_address:
+            return
+        if self.kvmeta is not None:
+            asyncio.ensure_future(self.kvmeta.close())
+        self.kvmeta_address = address
+        self.kvmeta = channel(address) if address else None
 
     def pool(self, role: str) -> list[InstanceView]:
         """Instances of one role, by id, except quarantined ones."""

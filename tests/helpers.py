@@ -80,12 +80,17 @@ def kvmeta_matches(cluster, block_hashes):
     from services.registry import Registry
 
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        address = next(iter(registry.list("kvmeta").values()))["address"]
-    with grpc.insecure_channel(address) as channel:
-        reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(
-            kvmeta_pb2.MatchPrefixRequest(block_hashes=block_hashes), timeout=10
-        )
-    return {m.instance_id: m.prefix_blocks for m in reply.matches}
+        addresses = [record["address"] for record in registry.list("kvmeta").values()]
+    for address in reversed(addresses):  # the newest first: an old kvmeta may be dead but not yet expired
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(
+                    kvmeta_pb2.MatchPrefixRequest(block_hashes=block_hashes), timeout=10
+                )
+            except grpc.RpcError:
+                continue
+        return {m.instance_id: m.prefix_blocks for m in reply.matches}
+    raise RuntimeError("no kvmeta answers")
 
 
 def reference_tokens(model_dir, prompts, max_tokens=MAX_TOKENS):

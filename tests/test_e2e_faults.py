@@ -117,6 +117,7 @@ def test_kvmeta_restart_under_load_fails_no_request(faults, model_dir):
     load.join()
     assert results == expected  # scheduling went cache-unaware for a while; nothing failed
     wait_registered(faults, "kvmeta", "kvmeta-1")
+    wait_registered(faults, "kvmeta", "kvmeta-0", present=False)  # the old one's lease expired
     # The workers resend their inventories to the new kvmeta (heartbeat every 2 s): prefix routing is back.
     shared = _prompts(23, 1, 200, 201)[0]
     grpc_generate(faults, shared + [1], PD)
@@ -124,8 +125,9 @@ def test_kvmeta_restart_under_load_fails_no_request(faults, model_dir):
     while not kvmeta_matches(faults, prefix_block_hashes(shared, 16)):
         assert time.monotonic() < deadline, "the new kvmeta never learned the workers' blocks"
         time.sleep(0.3)
-    _, _, usage = grpc_generate(faults, shared + [2], PD)
+    _, decision, usage = grpc_generate(faults, shared + [2], PD)
     assert usage.cached_tokens > 0
+    assert decision.best_len > 0  # the Conductor asks the new kvmeta, not the departed one
 
 
 def test_etcd_down_for_10_seconds_fails_no_request(faults, model_dir):

@@ -9,30 +9,18 @@ only detects hangs. ``KVCONDUCTOR_FUZZ_EXAMPLES`` sets the examples per test (``
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzzing import CONTEXT, FUZZ, MAX_NEW, MODEL, VOCAB
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 
 pytestmark = pytest.mark.e2e
-EXAMPLES = int(os.environ.get("KVCONDUCTOR_FUZZ_EXAMPLES", "25"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-MODEL = "tiny-llama"
-CONTEXT = 4096  # the test model's context length, tokens
-VOCAB = 261
-MAX_NEW = 4
 UINT32 = 2**32 - 1
 TIMEOUT_S = 60.0  # detects a hang; never a performance bound
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}

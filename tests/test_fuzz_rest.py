@@ -11,32 +11,20 @@ raises it); ``derandomize`` makes every run send the same requests.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from fuzzing import CONTEXT, FUZZ, MAX_NEW, MODEL, VOCAB
+from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.core import NotSet
 
 pytestmark = pytest.mark.e2e
-EXAMPLES = int(os.environ.get("KVCONDUCTOR_FUZZ_EXAMPLES", "25"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-MODEL = "tiny-llama"
-CONTEXT = 4096  # the test model's context length, tokens
-VOCAB = 261  # 256 bytes + special tokens
 MAX_BODY = 1 << 20  # [gateway] max_request_bytes
-MAX_NEW = 4  # max_tokens of bodies that may be valid
 TIMEOUT = httpx.Timeout(60.0)  # detects a hang; never a performance bound
 
 # -- strategies --------------------------------------------------------------------------------------------------

@@ -30,11 +30,16 @@ def attention_work(new_tokens: int, cached_tokens: int) -> float:
     return new_tokens * (cached_tokens + new_tokens / 2)
 
 
-def _lstsq_nonneg(features: list[list[float]], seconds: Sequence[float]) -> list[float]:
-    """Least squares with every coefficient >= 0: refit without the most negative term until none is."""
+def _lstsq_nonneg(
+    features: list[list[float]], seconds: Sequence[float], weights: Sequence[float] | None = None
+) -> list[float]:
+    """(Weighted) least squares with every coefficient >= 0: refit without the most negative term until none is."""
     if len(features) < len(features[0]):
         raise ValueError(f"need at least {len(features[0])} samples to fit, got {len(features)}")
     x, y = np.asarray(features), np.asarray(seconds)
+    if weights is not None:
+        root = np.sqrt(np.asarray(weights))
+        x, y = x * root[:, None], y * root
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:
@@ -66,10 +71,16 @@ class PrefillModel:
         return cls.fit_work([(n, attention_work(n, c), s) for n, c, s in samples])
 
     @classmethod
-    def fit_work(cls, samples: Sequence[tuple[int, float, float]]) -> PrefillModel:
+    def fit_work(
+        cls, samples: Sequence[tuple[int, float, float]], weights: Sequence[float] | None = None
+    ) -> PrefillModel:
         """Least-squares fit from (new_tokens, attention_work, seconds) samples, e.g. of whole engine steps."""
         features = [[1.0, float(n), float(w)] for n, w, _ in samples]
-        return cls(*_lstsq_nonneg(features, [s for *_, s in samples]))
+        return cls(*_lstsq_nonneg(features, [s for *_, s in samples], weights))
+
+    def predict_work(self, new_tokens: int, work: float) -> float:
+        """Predicted seconds of a step computing ``new_tokens`` with ``work`` attention token pairs."""
+        return 0.0 if new_tokens <= 0 else self.c0 + self.c1 * new_tokens + self.c2 * work
 
     def to_dict(self) -> dict[str, float]:
         """Coefficients by name, for the instance record."""
@@ -96,10 +107,10 @@ class DecodeModel:
         return self.d0 + self.d1 * batch_size + self.d2 * total_context
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> DecodeModel:
+    def fit(cls, samples: Sequence[tuple[int, float, float]], weights: Sequence[float] | None = None) -> DecodeModel:
         """Least-squares fit from (batch_size, total_context, seconds) samples."""
         features = [[1.0, float(b), float(c)] for b, c, _ in samples]
-        return cls(*_lstsq_nonneg(features, [s for *_, s in samples]))
+        return cls(*_lstsq_nonneg(features, [s for *_, s in samples], weights))
 
     def to_dict(self) -> dict[str, float]:
         """Coefficients by name, for the instance record."""

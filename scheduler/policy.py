@@ -50,6 +50,8 @@ class PrefillCandidate:
     # prefill takes ceil(new / step_tokens) steps each longer by decode_step_s (0 on a prefill instance).
     decode_step_s: float = 0.0
     step_tokens: int = 0
+    idle: bool = False  # nothing queued or running here (the admission probe's condition)
+    profile: PrefillModel | None = None  # the instance's start-up profile (admission's reference when idle)
 
     def t_prefill(self, new_tokens: int, cached_tokens: int) -> float:
         """Predicted prefill time here, including the decode steps it shares on a colocated instance."""
@@ -84,6 +86,7 @@ class DecodeCandidate:
     num_free_blocks: int
     max_running: int  # max_concurrent_requests
     model: DecodeModel
+    profile: DecodeModel | None = None  # the instance's start-up profile (admission's reference when idle)
 
     def has_room(self, request: RequestShape) -> bool:
         """Free KV blocks for the whole request and a free slot."""
@@ -166,6 +169,10 @@ class Plan:
     candidates: tuple[PrefillEstimate, ...]
     reason: str
     ttft_overhead: float = 0.0
+    # Admitted although the learned models predicted an SLO miss: the instances are idle and their start-up
+    # profile says the request alone meets the SLO. Its measurement re-calibrates the models.
+    probe: bool = False
+    solo: tuple[float, float] | None = None  # (TTFT, TBT) of the request alone under the profile, when idle
 
     @property
     def ttft(self) -> float:
@@ -229,7 +236,14 @@ class ConductorPolicy:
                                request, at)  # fmt: skip
         if decode is None:
             return Rejection(f"no decode instance has {request.num_blocks} free KV blocks and a free slot")
-        plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "", slo.ttft_overhead)
+        solo = _solo(
+            next(p for p in prefills if p.instance_id == chosen.instance_id),
+            next(d for d in decodes if d.instance_id == decode[0]),
+            chosen,
+            request,
+        )
+        plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "", slo.ttft_overhead,
+                    solo=solo)  # fmt: skip
         plan = replace(plan, reason=self._explain(plan))
         return admit(plan, slo)
 
@@ -310,16 +324,38 @@ def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at:
     return best
 
 
+def _solo(
+    p: PrefillCandidate, d: DecodeCandidate, estimate: PrefillEstimate, request: RequestShape
+) -> tuple[float, float] | None:
+    """(TTFT, TBT) of the request alone under the start-up profiles, if both instances are idle."""
+    if not (p.idle and not d.residents and p.profile is not None and d.profile is not None):
+        return None
+    new = request.num_prompt_tokens - estimate.prefix_len
+    ttft = estimate.t_transfer + p.profile.predict(new, estimate.prefix_len) + estimate.t_send
+    return ttft, d.profile.predict(1, request.num_prompt_tokens)
+
+
 def admit(plan: Plan, slo: Slo) -> Plan | Rejection:
-    """Reject a plan that breaks the TTFT or TBT SLO (when the operator asks for rejection)."""
-    if slo.reject and plan.ttft > slo.max_ttft:
-        return Rejection(
-            f"predicted TTFT {plan.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms",
-            plan,
-            "ttft_slo",
-        )
-    if slo.reject and plan.tbt > slo.max_tbt:
-        return Rejection(
-            f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms", plan, "tbt_slo"
-        )
-    return plan
+    """Reject a plan that breaks the TTFT or TBT SLO (when the operator asks for rejection).
+
+    Admission cannot lock itself out: models learned under contention may predict a miss even on an
+    idle cluster, and a cluster that rejects everything measures nothing that would correct them. So
+    when the chosen instances are idle, the request is admitted as a *probe* unless the request alone,
+    under the instances' start-up profiles, would break the SLO.
+    """
+    if not slo.reject:
+        return plan
+    miss = ""
+    if plan.ttft > slo.max_ttft:
+        miss = f"predicted TTFT {plan.ttft * 1e3:.0f} ms exceeds the SLO of {slo.max_ttft * 1e3:.0f} ms"
+        kind = "ttft_slo"
+    elif plan.tbt > slo.max_tbt:
+        miss = f"predicted TBT {plan.tbt * 1e3:.1f} ms exceeds the SLO of {slo.max_tbt * 1e3:.0f} ms"
+        kind = "tbt_slo"
+    if not miss:
+        return plan
+    if plan.solo is not None and plan.solo[0] <= slo.max_ttft and plan.solo[1] <= slo.max_tbt:
+        ttft, tbt = plan.solo
+        note = f"; {miss}, but the instances are idle and their profile predicts TTFT {ttft * 1e3:.0f} ms, "
+        return replace(plan, probe=True, reason=plan.reason + note + f"TBT {tbt * 1e3:.1f} ms: admitted as a probe")
+    return Rejection(miss, plan, kind)

@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             from services.serve import run
 
             _setup_logging(config.telemetry.log_level, args.id)
-            run(config, args.role, args.id)
-            return 0
+            return run(config, args.role, args.id)
         if args.command == "generate":
             from services.client import generate_main as generate_remote
 

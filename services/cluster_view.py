@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
+from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.booking import Bookings
 from scheduler.cost_model import DecodeModel, PrefillModel
 from scheduler.policy import DecodeCandidate, PrefillCandidate
@@ -37,6 +37,7 @@ class InstanceView:
     channel: grpc.aio.Channel
     prefill_model: PrefillModel
     decode_model: DecodeModel
+    profile: tuple[PrefillModel, DecodeModel] | None = None  # the start-up profile's models
     prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
     decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
 
@@ -59,13 +60,16 @@ class InstanceView:
         """The instance as a prefill candidate."""
         budget = int(self.record["max_num_batched_tokens"])
         t_queue = self.prefilling.t_queue(now)
+        profile = self.profile[0] if self.profile else None
         if self.role == "prefill":
-            return PrefillCandidate(self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=budget)
+            return PrefillCandidate(self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=budget,
+                                    idle=not self.prefilling, profile=profile)  # fmt: skip
         decoding = [r for r in self.decoding.residents(now) if r.t_join <= 0]
         step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
         return PrefillCandidate(
-            self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step, step_tokens=budget
-        )
+            self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step, step_tokens=budget,
+            idle=not self.prefilling and not self.decoding, profile=profile,
+        )  # fmt: skip
 
     def decode_candidate(self, now: float) -> DecodeCandidate:
         """The instance as a decode candidate."""
@@ -75,7 +79,15 @@ class InstanceView:
             num_free_blocks=int(self.record["num_blocks"]) - self.decoding.num_blocks,
             max_running=int(self.record["max_concurrent_requests"]),
             model=self.decode_model,
+            profile=self.profile[1] if self.profile else None,
         )
+
+
+def _profile(cost_model: dict[str, Any]) -> tuple[PrefillModel, DecodeModel] | None:
+    profile = cost_model.get("profile")
+    if not profile:
+        return None
+    return PrefillModel.from_dict(profile["prefill"]), DecodeModel.from_dict(profile["decode"])
 
 
 class ClusterView:
@@ -87,6 +99,7 @@ class ClusterView:
         self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
         self._kvmeta_addresses: dict[str, str] = {}  # kvmeta instances by id, in registration order
         self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
+        self._suspects: dict[str, int | None] = {}  # stalled instance -> its engine beats when first probed
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -105,6 +118,8 @@ class ClusterView:
         if event.role not in WORKER_ROLES:
             return
         old = self.instances.pop(event.instance_id, None)
+        if old is None or event.kind == "delete" or event.record is None:
+            self._suspects.pop(event.instance_id, None)  # a new process of that name starts with a clean slate
         if event.kind == "delete" or event.record is None:
             log.info("%s %s left", event.role, event.instance_id)
             if old is not None:  # calls in flight (a draining worker's streams) keep their channel a while
@@ -119,6 +134,7 @@ class ClusterView:
             old.channel if old is not None and same_address else channel(record["address"]),
             PrefillModel.from_dict(record["cost_model"]["prefill"]),
             DecodeModel.from_dict(record["cost_model"]["decode"]),
+            _profile(record["cost_model"]),
         )
         if old is not None and same_address:
             view.prefilling, view.decoding = old.prefilling, old.decoding
@@ -141,12 +157,59 @@ class ClusterView:
         self.kvmeta = channel(address) if address else None
 
     def pool(self, role: str) -> list[InstanceView]:
-        """Instances of one role, by id, except quarantined ones."""
+        """Instances of one role, by id, except quarantined and suspect ones."""
         now = time.monotonic()
         return sorted(
-            (v for v in self.instances.values() if v.role == role and self._quarantine.get(v.instance_id, 0.0) <= now),
+            (v for v in self.instances.values() if v.role == role and self.usable(v.instance_id, now)),
             key=lambda v: v.instance_id,
         )
+
+    def scheduling(self, instance_id: str, now: float) -> str:
+        """How the Conductor treats the instance now: "suspect", "quarantined" or "ok"."""
+        if instance_id in self._suspects:
+            return "suspect"
+        return "quarantined" if self._quarantine.get(instance_id, 0.0) > now else "ok"
+
+    def usable(self, instance_id: str, now: float) -> bool:
+        """Neither quarantined nor suspect."""
+        return self._quarantine.get(instance_id, 0.0) <= now and instance_id not in self._suspects
+
+    def suspect(self, instance_id: str) -> None:
+        """An instance stalled a request: no new work until its engine shows progress (``watch_suspects``)."""
+        if instance_id in self.instances and instance_id not in self._suspects:
+            log.warning("%s is suspect (a request made no progress there): no new work until its engine moves",
+                        instance_id)  # fmt: skip
+            self._suspects[instance_id] = None
+
+    @property
+    def suspects(self) -> list[str]:
+        """Instances that get no new work until they show progress."""
+        return sorted(self._suspects)
+
+    async def watch_suspects(self, period_s: float = 1.0) -> None:
+        """Probe suspect instances; one whose engine loop turns again is back in the pools (runs for ever)."""
+        while True:
+            await asyncio.sleep(period_s)
+            for instance_id in list(self._suspects):
+                await self._probe(instance_id, period_s)
+
+    async def _probe(self, instance_id: str, timeout_s: float) -> None:
+        view = self.instances.get(instance_id)
+        if view is None:
+            self._suspects.pop(instance_id, None)
+            return
+        try:
+            load = await worker_pb2_grpc.WorkerStub(view.channel).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return  # no answer is no progress
+        seen = self._suspects.get(instance_id)
+        if seen is None:
+            self._suspects[instance_id] = load.engine_beats
+        elif load.engine_beats > seen:
+            del self._suspects[instance_id]
+            log.warning("%s shows progress again: back in the pools", instance_id)
 
     def quarantine(self, instance_id: str, seconds: float) -> None:
         """Avoid an instance that just failed a request until its lease would have expired, had it died."""

@@ -44,7 +44,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
         finally:
             w.loop.close(rid)
             if not finished:
-                await w.loop.call(lambda e: e.abort(rid))
+                await w.abort(rid)
 
 
 def services(worker: Worker) -> list[Service]:

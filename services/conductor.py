@@ -38,6 +38,7 @@ from kvconductor.v1 import (
 from scheduler.booking import Booking, request_blocks
 from scheduler.cost_model import LinkModels, TransferModel
 from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
+from scheduler.ttft_overhead import TtftOverhead
 from services import metrics
 from services.cluster_view import ClusterView, InstanceView
 from services.config import Config, WorkerConfig
@@ -50,7 +51,7 @@ from services.telemetry import tracer
 
 log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-OVERHEAD_WEIGHT = 0.1  # of each request's residual in the TTFT-overhead average
+OVERHEAD_CAP = 0.25  # the learned TTFT overhead is at most this share of the TTFT SLO
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
@@ -65,7 +66,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
         self.mean_output_tokens = 0.0  # moving average of completion lengths (0 = none seen yet)
-        self.ttft_overhead = 0.0  # moving average of measured TTFT beyond the chosen instance's estimate
+        # time outside the instances' models, per serving path (scheduler/ttft_overhead.py)
+        self.overheads = {
+            "disaggregated": TtftOverhead(OVERHEAD_CAP * config.prefill.max_ttft_ms / 1e3),
+            "colocated": TtftOverhead(OVERHEAD_CAP * config.colocated.max_ttft_ms / 1e3),
+        }
         self._background: set[asyncio.Future[None]] = set()  # fire-and-forget calls, kept from garbage collection
 
     async def Generate(  # noqa: N802
@@ -119,6 +124,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 num_running=len(v.decoding) + len(v.prefilling),
                 t_queue_ms=v.prefilling.t_queue(now) * 1e3,
                 record_json=json.dumps(v.record, sort_keys=True),
+                scheduling=self.view.scheduling(v.instance_id, now),
             )
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
         ]
@@ -127,6 +133,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             model=self.config.model.name,
             prediction_errors=self.errors.summary(),
             latencies=self.errors.latencies(),
+            ttft_overhead_ms={path: o.value(now) * 1e3 for path, o in self.overheads.items()},
         )
 
     # -- admission -------------------------------------------------------------------------------
@@ -213,6 +220,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             metrics.REJECTIONS.labels(outcome.kind).inc()
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
         log.info("request %s: %s", job.request_id, outcome.reason)
+        if outcome.probe:
+            metrics.PROBES.inc()
         job.plan = outcome
         return outcome
 
@@ -233,7 +242,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             ttft_cfg.max_ttft_ms / 1e3,
             tbt_cfg.max_tbt_ms / 1e3,
             self.config.scheduler.reject_on_slo_violation,
-            ttft_overhead=self.ttft_overhead,
+            ttft_overhead=self.overheads[job.path].value(now),
         )
         outcome = self.policy.schedule(
             [v.prefill_candidate(prefix.get(v.instance_id, 0), now) for v in prefills],
@@ -285,7 +294,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 return
             except WorkerFailure as failure:
                 job.failed.add(failure.instance_id)
-                self.view.quarantine(failure.instance_id, self.config.cluster.lease_ttl_s + 1.0)
+                if failure.stalled:
+                    metrics.STALLS.labels(job.phase, failure.instance_id).inc()
+                    self.view.suspect(failure.instance_id)
+                else:
+                    self.view.quarantine(failure.instance_id, self.config.cluster.lease_ttl_s + 1.0)
                 trace.get_current_span().add_event(
                     "kvconductor.retry", {"attempt": number, "failed": str(failure), "streamed": len(job.generated)}
                 )
@@ -307,10 +320,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         p = self.view.instances[plan.prefill.instance_id]
         d = self.view.instances[plan.decode_instance]
         self._assign(job, plan, p, d)
+        prefilled = decoded = False
         try:
+            job.phase = "prefill"
             first = await self._prefill_on(job, plan, p, d)
+            prefilled = True  # d holds a reservation with the prompt's KV until its Decode call takes it
             _mark_decoding(d, job.request_id)
             yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
+            job.phase = "decode"
             with blame(d.instance_id):
                 call = d.decode_stub.Decode(
                     decode_pb2.DecodeRequest(
@@ -321,47 +338,85 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     )
                 )
                 try:
-                    async for chunk in call:
+                    async for chunk in self._watch(call, d.instance_id, "decode", plan.tbt, plan.tbt):
                         yield Piece(list(chunk.token_ids), chunk.finish_reason)
+                    decoded = True
                 finally:
                     call.cancel()
         finally:
             self._release(job, p, d)
+            if prefilled and not decoded:  # the client left (or d failed) before Decode took the reservation
+                self._release_reservation(job, d)
+
+    def _stall_bound(self, predicted_s: float) -> float:
+        """Seconds without progress after which the watchdog gives up on a worker."""
+        s = self.config.scheduler
+        return max(s.stall_timeout_s, s.stall_factor * predicted_s)
+
+    async def _watch(
+        self, call: AsyncIterator[Any], instance_id: str, phase: str, first_s: float, next_s: float
+    ) -> AsyncIterator[Any]:
+        """A worker's stream under the progress watchdog: each message must come within its bound.
+
+        ``first_s`` and ``next_s`` are the predicted times to the first message and between later ones.
+        """
+        messages = aiter(call)
+        bound = self._stall_bound(first_s)
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(messages), bound)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise self._stalled(instance_id, phase, bound) from None
+            yield message
+            bound = self._stall_bound(next_s)
+
+    def _stalled(self, instance_id: str, phase: str, bound: float) -> WorkerFailure:
+        log.warning("no %s progress on %s for %.1f s (the watchdog's bound): abandoning it there", phase,
+                    instance_id, bound)  # fmt: skip
+        return WorkerFailure.stall(instance_id, phase, bound)
 
     async def _prefill_on(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> prefill_pb2.PrefillResponse:
         """Reserve on d, prefill on p into d's blocks (copying KV first if planned); release d on failure."""
         tokens, sampling = job.tokens, job.attempt_sampling
-        with blame(d.instance_id):
-            reserved = await d.decode_stub.Reserve(
-                decode_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(tokens), sampling=sampling)
-            )
-        request = prefill_pb2.PrefillRequest(
-            request_id=job.request_id, prompt_token_ids=tokens, sampling=sampling, destination=reserved.target
-        )
-        source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
-        if source is not None:
-            request.copy_source.CopyFrom(
-                prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record["address"])
-            )
-            request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
+        bound = self._stall_bound(plan.prefill.ttft)
         try:
+            with blame(d.instance_id):
+                reserved = await d.decode_stub.Reserve(
+                    decode_pb2.ReserveRequest(
+                        request_id=job.request_id, num_prompt_tokens=len(tokens), sampling=sampling
+                    ),
+                    timeout=self.config.scheduler.stall_timeout_s,
+                )
+            request = prefill_pb2.PrefillRequest(
+                request_id=job.request_id, prompt_token_ids=tokens, sampling=sampling, destination=reserved.target
+            )
+            source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
+            if source is not None:
+                request.copy_source.CopyFrom(
+                    prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record["address"])
+                )
+                request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
             # A failed write into d's blocks is d's (or the link's) failure, not p's.
-            response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(request)
+            response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(request, timeout=bound)
         except grpc.aio.AioRpcError as e:
-            await self._release_reservation(job, d)
+            self._release_reservation(job, d)
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the watchdog's deadline
+                raise self._stalled(p.instance_id, "prefill", bound) from e
             at_fault = d if (e.details() or "").startswith(KV_TRANSFER_FAILED) else p
             if e.code() in RETRYABLE:
                 raise WorkerFailure(at_fault.instance_id, e) from e
             raise
         except BaseException:
-            await self._release_reservation(job, d)
+            self._release_reservation(job, d)
             raise
         finally:
             p.prefilling.prefill_done(job.request_id, time.monotonic())
         self._learn(job, p, d, response)
         return response
 
-    async def _release_reservation(self, job: Job, d: InstanceView) -> None:
+    def _release_reservation(self, job: Job, d: InstanceView) -> None:
         """Give back d's blocks, in the background: a dead or cut-off d must not delay the request's retry.
 
         Best effort: a dead d has lost them anyway, and a live one frees them after kv_transfer_timeout_s.
@@ -392,6 +447,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     copy_note=r.copy_note,
                 )
             )
+        job.worker_ttft = r.prefill_seconds + r.transfer_exposed_seconds
         self.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
         self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
         if r.copy_bytes:
@@ -413,10 +469,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         request = colocated_pb2.ColocatedRequest(
             request_id=job.request_id, prompt_token_ids=job.tokens, sampling=job.attempt_sampling
         )
+        job.phase = "colocated"
         with blame(c.instance_id):
             call = c.colocated_stub.Generate(request)
             try:
-                async for chunk in call:
+                async for chunk in self._watch(call, c.instance_id, "colocated", plan.prefill.ttft, plan.tbt):
                     c.prefilling.prefill_done(job.request_id, time.monotonic())
                     _mark_decoding(c, job.request_id)
                     yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
@@ -467,8 +524,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         ttft = times[0] - job.arrived
         tbt = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else 0.0
         self.errors.record("ttft", job.plan.ttft, ttft)
-        residual = ttft - job.plan.prefill.ttft  # what the instances' models do not see
-        self.ttft_overhead = max(0.0, (1 - OVERHEAD_WEIGHT) * self.ttft_overhead + OVERHEAD_WEIGHT * residual)
+        overhead = _overhead_sample(job, ttft)
+        if overhead is not None:
+            self.overheads[job.path].observe(time.monotonic(), overhead)
         self.errors.record("tbt", job.plan.tbt, tbt)
         metrics.TTFT.labels(job.path).observe(ttft)
         metrics.E2E.labels(job.path).observe(times[-1] - job.arrived)
@@ -496,6 +554,17 @@ def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
         raise ValueError(f"temperature must be a finite number >= 0, got {sampling.temperature}")
     if not (sampling.top_p == 0 or 0 < sampling.top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (0 = off), got {sampling.top_p}")
+
+
+def _overhead_sample(job: Job, ttft: float) -> float | None:
+    """The part of a request's TTFT that no instance model sees (rules in scheduler/ttft_overhead.py)."""
+    if job.plan is None or job.failed:  # a resumed request's first token came from another attempt
+        return None
+    if job.worker_ttft is not None:  # what the prefill worker spent, its queue included
+        return ttft - job.worker_ttft
+    if job.plan.prefill.t_queue == 0:  # colocated: only requests that found the instance idle
+        return ttft - job.plan.prefill.ttft
+    return None
 
 
 def _mark_decoding(v: InstanceView, request_id: str) -> None:

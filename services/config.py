@@ -46,6 +46,9 @@ class ClusterConfig:
     transfer_bandwidth_gbps: float = 10.0  # prior for T_transfer until a probe measures the real link
     kv_transfer_timeout_s: float = 30.0  # bound on a KV write; a reservation whose KV has not come by then is freed
     drain_grace_s: float = 10.0  # on SIGTERM a worker leaves etcd, then finishes in-flight work for this long
+    # A worker whose engine loop has not turned for this long reports NOT_SERVING on its health service
+    # (a frozen engine in a live process); it serves again once the loop turns.
+    engine_heartbeat_timeout_s: float = 30.0
     tls_cert_file: str = ""  # PEM certificate of this process for gRPC between services (mutual TLS); "" = plaintext
     tls_key_file: str = ""  # its private key
     tls_ca_file: str = ""  # CA that signed every service's certificate
@@ -69,6 +72,9 @@ class ClusterConfig:
         _check(self.transfer_bandwidth_gbps > 0, "[cluster] transfer_bandwidth_gbps", "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "[cluster] kv_transfer_timeout_s", "must be > 0")
         _check(0 <= self.drain_grace_s <= 3600, "[cluster] drain_grace_s", "must be in 0..3600")
+        _check(
+            0 < self.engine_heartbeat_timeout_s <= 3600, "[cluster] engine_heartbeat_timeout_s", "must be in (0, 3600]"
+        )
         tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
         _check(
             all(tls) or not any(tls),
@@ -163,6 +169,11 @@ class SchedulerConfig:
     early_rejection: str = "prediction"
     # A request whose worker fails (dies, drains, loses its link) resumes on another one, this many times in all.
     max_attempts: int = 3
+    # Progress watchdog: a prefill (or a decode stream) that makes no progress for
+    #   max(stall_timeout_s, stall_factor x its predicted time)
+    # is abandoned on that worker and resumed elsewhere; the worker gets no new work until it shows progress.
+    stall_timeout_s: float = 15.0
+    stall_factor: float = 4.0
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -174,6 +185,8 @@ class SchedulerConfig:
         _check(self.estimate_model == "empirical", "[scheduler] estimate_model", 'must be "empirical"')
         _check(self.policy in POLICIES, "[scheduler] policy", f"must be one of {', '.join(POLICIES)}")
         _check(1 <= self.max_attempts <= 10, "[scheduler] max_attempts", "must be in 1..10")
+        _check(0 < self.stall_timeout_s <= 3600, "[scheduler] stall_timeout_s", "must be in (0, 3600]")
+        _check(1 <= self.stall_factor <= 100, "[scheduler] stall_factor", "must be in 1..100")
         _check(
             self.early_rejection in EARLY_REJECTION,
             "[scheduler] early_rejection",

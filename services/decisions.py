@@ -53,6 +53,8 @@ def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> cond
             predicted_ttft_ms=plan.ttft * 1e3,
             predicted_tbt_ms=plan.tbt * 1e3,
             candidates=[_candidate(c) for c in plan.candidates],
+            probe=plan.probe,
+            ttft_overhead_ms=plan.ttft_overhead * 1e3,
         )
     )
     return decision

@@ -46,20 +46,36 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.reservations: dict[str, float] = {}  # request id -> deadline for its Decode call
+        self.released: dict[str, float] = {}  # released before their Reserve arrived -> when to forget them
         worker.num_reserved = lambda: len(self.reservations)
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:  # noqa: N802
-        """Allocate blocks for the whole request and return the prompt blocks' addresses."""
+        """Allocate blocks for the whole request and return the prompt blocks' addresses.
+
+        The reservation is on the books before the engine allocates, and the allocation finishes even if
+        the caller goes away (a cancelled Reserve): every allocated block is either released, decoded or
+        expired, never orphaned.
+        """
         w, rid = self.worker, request.request_id
         params = sampling_from_proto(request.sampling)
         if rid in self.reservations:
             raise ValueError(f"request {rid!r} already holds a reservation")
-        blocks, free = await w.loop.call_now(
-            lambda e: (e.reserve(rid, request.num_prompt_tokens, params), e.num_free_blocks)
-        )
-        if blocks is None:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
+        if self.released.pop(rid, None) is not None:
+            raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
+
+        async def reserve() -> tuple[list[int] | None, int]:
+            blocks, free = await w.loop.call_now(
+                lambda e: (e.reserve(rid, request.num_prompt_tokens, params), e.num_free_blocks)
+            )
+            if blocks is not None and rid not in self.reservations:  # released while we allocated
+                await w.loop.call_now(lambda e: e.abort(rid))
+            return blocks, free
+
+        blocks, free = await asyncio.shield(reserve())
+        if blocks is None:
+            self.reservations.pop(rid, None)
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
         pool = w.engine.kv_pool
         prompt_blocks = blocks[: w.num_kv_blocks(request.num_prompt_tokens)]
         target = common_pb2.KVBlockTarget(
@@ -105,12 +121,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             w.loop.close(rid)
             span.set_attributes(_tbt_attributes(gaps))
             if not finished:
-                await w.loop.call(lambda e: e.abort(rid))
+                await w.abort(rid)
 
     async def Release(self, request: decode_pb2.ReleaseRequest, context: Any) -> decode_pb2.ReleaseResponse:  # noqa: N802
         """Free a reservation that will not be decoded."""
         rid = request.request_id
-        if self.reservations.pop(rid, None) is None:
+        if self.reservations.pop(rid, None) is None:  # not come yet (a cancelled Reserve may still arrive)
+            self.released[rid] = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
             return decode_pb2.ReleaseResponse(released=False)
         await self.worker.loop.call_now(lambda e: e.abort(rid))  # reserved, never in a batch
         return decode_pb2.ReleaseResponse(released=True)
@@ -120,6 +137,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            for rid in [rid for rid, until in self.released.items() if until < now]:
+                del self.released[rid]
             for rid in [rid for rid, deadline in self.reservations.items() if deadline < now]:
                 log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
                 del self.reservations[rid]

@@ -36,6 +36,8 @@ class Job:
     decision: conductor_pb2.Decision | None = None
     generated: list[int] = field(default_factory=list)  # tokens streamed so far (a resumed attempt continues them)
     failed: set[str] = field(default_factory=set)  # instances that failed this request
+    phase: str = ""  # what the current attempt waits for: "prefill", "decode" or "colocated" (watchdog, metrics)
+    worker_ttft: float | None = None  # seconds the prefill worker reported for token 0 (queue included)
 
     @property
     def tokens(self) -> list[int]:
@@ -56,12 +58,25 @@ class Job:
 
 
 class WorkerFailure(Exception):
-    """A worker failed a request in a way another worker may not (it died, drained, or its link broke)."""
+    """A worker failed a request in a way another worker may not (it died, drained, or its link broke).
 
-    def __init__(self, instance_id: str, cause: grpc.aio.AioRpcError) -> None:
+    ``stalled``: the worker made no progress within the watchdog's bound (it may be alive but frozen).
+    """
+
+    def __init__(self, instance_id: str, cause: grpc.aio.AioRpcError, stalled: bool = False) -> None:
         super().__init__(f"{instance_id}: {cause.code().name}: {cause.details()}")
         self.instance_id = instance_id
         self.cause = cause
+        self.stalled = stalled
+
+    @classmethod
+    def stall(cls, instance_id: str, phase: str, seconds: float) -> WorkerFailure:
+        """No progress of ``phase`` on ``instance_id`` for ``seconds``."""
+        details = f"no {phase} progress for {seconds:.1f} s (watchdog)"
+        cause = grpc.aio.AioRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+        )
+        return cls(instance_id, cause, stalled=True)
 
 
 RETRYABLE = frozenset(

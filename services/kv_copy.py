@@ -116,11 +116,17 @@ async def _read(worker: Worker, copy: PrefixCopy, exported: prefill_pb2.ExportBl
         return
     n = len(exported.block_addresses)
     local = [pool.block_address(b) for b in copy.targets[:n]]
-    try:
-        result = await asyncio.to_thread(
+    read = asyncio.ensure_future(
+        asyncio.to_thread(
             worker.transfer.read_blocks, exported.transfer_endpoint, local, list(exported.block_addresses),
             pool.bytes_per_block,
-        )  # fmt: skip
+        )
+    )  # fmt: skip
+    try:
+        result = await asyncio.shield(read)
+    except asyncio.CancelledError:  # the blocks being read into may only be freed once the read is over
+        await asyncio.gather(read, return_exceptions=True)
+        raise
     except RuntimeError as e:
         copy.note = f"transfer failed: {e}"
         return
@@ -146,9 +152,14 @@ class Exports:
         hashes, tokens = list(request.block_hashes), list(request.token_ids)
         if len(tokens) != len(hashes) * self.worker.engine.kv_pool.block_size:
             raise ValueError("token_ids must hold exactly the requested blocks' tokens")
-        blocks = await self.worker.loop.call_now(lambda e: e.pin_cached_blocks(hashes, tokens))
         export_id = uuid.uuid4().hex
-        self._pinned[export_id] = (blocks, time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s)
+
+        async def pin() -> list[int]:  # on the books even if the caller goes away mid-way (then it expires)
+            blocks = await self.worker.loop.call_now(lambda e: e.pin_cached_blocks(hashes, tokens))
+            self._pinned[export_id] = (blocks, time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s)
+            return blocks
+
+        blocks = await asyncio.shield(pin())
         pool = self.worker.engine.kv_pool
         return prefill_pb2.ExportBlocksResponse(
             export_id=export_id,

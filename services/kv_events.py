@@ -31,6 +31,7 @@ class KvEventPublisher:
         self._seq = 0
         self._resync = True
         self._channel: grpc.aio.Channel | None = None
+        self._lock = asyncio.Lock()
 
     async def publish(self, stored: Iterable[bytes], removed: Iterable[bytes], heartbeat: bool = False) -> None:
         """Apply the delta locally and send it (or the full inventory after a gap).
@@ -43,6 +44,10 @@ class KvEventPublisher:
         self.inventory.update(stored)
         if not stored and not removed and not self._resync and not heartbeat:
             return
+        async with self._lock:  # one call at a time: sequence numbers arrive in order, the channel is not shared
+            await self._send(stored, removed)
+
+    async def _send(self, stored: list[bytes], removed: list[bytes]) -> None:
         stub = await self._stub()
         if stub is None:
             self._resync = True
@@ -58,14 +63,17 @@ class KvEventPublisher:
         )
         try:
             response = await stub.PublishEvents(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            log.warning("kvmeta unreachable (%s); will resend the full inventory", e.code().name)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            task = asyncio.current_task()
+            if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise  # our caller is being cancelled; a call cancelled under us (closed channel) is kvmeta's
+            log.warning("kvmeta unreachable (%s); will resend the full inventory", _reason(e))
             self._resync = True
             await self._reset()
             return
         self._resync = response.resync_required
         if self._resync:
-            await self.publish([], [])
+            await self._send([], [])
 
     async def _stub(self) -> kvmeta_pb2_grpc.KvMetaStub | None:
         if self._channel is None:
@@ -84,3 +92,7 @@ class KvEventPublisher:
     async def close(self) -> None:
         """Close the channel."""
         await self._reset()
+
+
+def _reason(error: BaseException) -> str:
+    return error.code().name if isinstance(error, grpc.aio.AioRpcError) else "call cancelled"

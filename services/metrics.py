@@ -30,6 +30,13 @@ TTFT = Histogram("kvconductor_ttft_seconds", "Time to first token at the Conduct
 TBT = Histogram("kvconductor_tbt_seconds", "Mean time between tokens of a request", ["path"], buckets=GAP_BUCKETS)
 ITL = Histogram("kvconductor_itl_seconds", "Gaps between consecutive token messages", ["path"], buckets=GAP_BUCKETS)
 E2E = Histogram("kvconductor_e2e_seconds", "Request latency, arrival to last token", ["path"], buckets=LATENCY_BUCKETS)
+PROBES = Counter(
+    "kvconductor_admission_probes",
+    "Requests admitted on idle instances although the learned models predicted an SLO miss (they re-calibrate)",
+)
+STALLS = Counter(
+    "kvconductor_stalls", "Requests abandoned on a worker that made no progress (by phase)", ["phase", "instance"]
+)
 PROMPT_TOKENS = Counter("kvconductor_prompt_tokens", "Prompt tokens of admitted requests")
 CACHED_TOKENS = Counter("kvconductor_cached_prompt_tokens", "Prompt tokens whose KV was reused (prefix cache or copy)")
 PREDICTION_ERROR = Histogram(

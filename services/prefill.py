@@ -15,6 +15,8 @@ the prefix it left behind.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -23,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services import metrics
-from services.engine_loop import next_output
+from services.engine_loop import EngineDied, next_output
 from services.kv_copy import Exports, PrefixCopy, pull_prefix
 from services.kv_stream import KVStreamer
 from services.rpc import Service
@@ -69,12 +71,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 exposed_seconds = time.perf_counter() - start - prefill_seconds
                 span.set_attributes(streamer.attributes(exposed_seconds))
         finally:
-            await streamer.settle()  # no write may land in the decode worker's blocks after we answer
-            w.loop.close(rid)
-            if finished:  # without waiting for the engine's next step: the reply waits on this
-                await w.loop.call_now(lambda e: e.release(rid))
-            else:
-                await w.loop.call(lambda e: e.abort(rid))
+            # Shielded: a cancelled caller must not cut the cleanup short and leave blocks held.
+            await asyncio.shield(self._settle(rid, streamer, finished))
         w.counters.bytes_sent += streamer.bytes
         w.counters.blocks_sent += streamer.blocks
         metrics.observe_transfer("send", "sent", streamer.bytes, streamer.seconds)
@@ -95,6 +93,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             copy_seconds=copy.seconds if copy else 0.0,
             copy_note=copy.note if copy else "",
         )
+
+    async def _settle(self, rid: str, streamer: KVStreamer, finished: bool) -> None:
+        """After a prefill: no write may land in the decode worker's blocks after we answer; free the blocks."""
+        w = self.worker
+        await streamer.settle()
+        w.loop.close(rid)
+        if not finished:
+            await w.abort(rid)
+            return
+        with contextlib.suppress(EngineDied):  # without waiting for the engine's next step: the reply waits
+            await w.loop.call_now(lambda e: e.release(rid))
 
     async def ExportBlocks(  # noqa: N802
         self, request: prefill_pb2.ExportBlocksRequest, context: Any
@@ -129,11 +138,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         block_size = w.engine.kv_pool.block_size
         num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // block_size)
         copy = PrefixCopy(prefix_block_hashes(prompt[: num_blocks * block_size], block_size))
-        await w.loop.call(lambda e: copy.prepare(e, prompt))
         try:
+            await w.loop.call(lambda e: copy.prepare(e, prompt))  # runs even if we are cancelled meanwhile
             await pull_prefix(w, copy, prompt, request.copy_source)
         except BaseException:
-            await w.loop.call(lambda e: copy.abandon(e, prompt))
+            with contextlib.suppress(EngineDied):
+                await asyncio.shield(w.loop.call(lambda e: copy.abandon(e, prompt)))
             raise
         return copy
 

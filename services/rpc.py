@@ -4,6 +4,9 @@ Lifecycle of :func:`serve`::
 
     bind (port 0 = any) -> /metrics -> health SERVING -> register in etcd under a lease -> ...
     SIGTERM/SIGINT -> health NOT_SERVING -> revoke the lease -> server.stop(grace) -> on_stop()
+    fatal error (a worker's engine died) -> the same at once, with a 1 s grace
+
+While serving, health follows the process's liveness check (a worker: its engine loop's heartbeat).
 
 Handlers raise :class:`RpcError` (or ``ValueError`` for bad input) and never build status codes by hand;
 anything else becomes INTERNAL with a short message, logged here with its stack trace, never sent. Every
@@ -265,11 +268,16 @@ async def serve(
     grace_s: float = 5.0,
     metrics_port: int | None = 0,
     on_bound: Callable[[str], Awaitable[None]] | None = None,
-) -> None:
-    """Serve until SIGTERM/SIGINT; ``record(address, metrics_address)`` builds the etcd record.
+    live: Callable[[], bool] | None = None,
+    fatal: asyncio.Future[Any] | None = None,
+) -> bool:
+    """Serve until SIGTERM/SIGINT or ``fatal`` resolves; ``record(address, metrics_address)`` builds the etcd record.
 
     ``/metrics`` is served on ``metrics_port`` (0 = any free; None = not at all). ``on_bound(address)``
-    runs once the server listens, before the instance registers.
+    runs once the server listens, before the instance registers. ``live()`` is polled and drives the
+    health status (SERVING while it holds). When ``fatal`` resolves (the engine died) the process leaves
+    at once: NOT_SERVING, lease revoked, calls in flight get a short grace to end with their status.
+    Returns False after a fatal stop, True after a signal.
     """
     services = list(services)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
@@ -287,30 +295,74 @@ async def serve(
         raise RuntimeError(f"cannot bind {host}:{port}")
     address = f"{host}:{bound}"
     await server.start()
+    status = _HealthStatus(health, ["", *names])
+    watch = asyncio.ensure_future(status.follow(live)) if live is not None else None
+    graceful = True
     try:
-        for name in ["", *names]:
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await status.set(True)
         metrics_address = serve_metrics(host, metrics_port) if metrics_port is not None else ""
         if on_bound is not None:
             await on_bound(address)
         if registry is not None and record is not None:
             await asyncio.to_thread(registry.register, role, instance_id, record(address, metrics_address))
         log.info("%s %s serving on %s", role or "service", instance_id, address)
-        await _wait_for_signal()
-        log.info("%s %s shutting down", role or "service", instance_id)
-        for name in ["", *names]:
-            await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        graceful = await _wait_for_stop(fatal)
+        if graceful:
+            log.info("%s %s shutting down", role or "service", instance_id)
+        else:
+            log.critical("%s %s: fatal error, leaving the cluster now", role or "service", instance_id)
+            grace_s = min(grace_s, FATAL_GRACE_S)
+        if watch is not None:
+            watch.cancel()
+        await status.set(False)
         if registry is not None:
             await asyncio.to_thread(registry.close)
     finally:
         await server.stop(grace_s)
         if on_stop is not None:
             await on_stop()
+    return graceful
 
 
-async def _wait_for_signal() -> None:
+FATAL_GRACE_S = 1.0  # after a fatal error, calls in flight get this long to end with their own status
+LIVENESS_POLL_S = 0.5
+
+
+class _HealthStatus:
+    """The health status of every service of a server, switched together."""
+
+    def __init__(self, health: health_aio.HealthServicer, names: list[str]) -> None:
+        self.health = health
+        self.names = names
+        self.serving: bool | None = None
+
+    async def set(self, serving: bool) -> None:
+        if serving == self.serving:
+            return
+        self.serving = serving
+        value = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            await self.health.set(name, value)
+
+    async def follow(self, live: Callable[[], bool]) -> None:
+        """Poll ``live()`` for as long as the server runs."""
+        while True:
+            await asyncio.sleep(LIVENESS_POLL_S)
+            serving = live()
+            if serving != self.serving:
+                log.warning("health: %s", "SERVING again" if serving else "NOT_SERVING (liveness check failed)")
+            await self.set(serving)
+
+
+async def _wait_for_stop(fatal: asyncio.Future[Any] | None) -> bool:
+    """Wait for SIGTERM/SIGINT (True) or for ``fatal`` to resolve (False)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
+    if fatal is not None:
+        waits.append(fatal)
+    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    waits[0].cancel()
+    return waits[0] in done

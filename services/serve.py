@@ -9,13 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+from typing import TYPE_CHECKING
 
 from services.config import Config
 from services.registry import EtcdAuth, InstanceEvent, Registry
 from services.rpc import serve
 from services.telemetry import setup_tracing
 
+if TYPE_CHECKING:  # kvmeta, the Conductor and the gateway must not import torch
+    from services.worker import Worker
+
 log = logging.getLogger(__name__)
+EXIT_ENGINE_DIED = 3  # a worker whose engine thread died exits with this status
+FAULT_INJECTION_ENV = "KVCONDUCTOR_FAULT_INJECTION"  # "1" enables the test-only fault signals on workers
 ROLES = ("kvmeta", "conductor", "prefill", "decode", "colocated", "gateway")
 
 
@@ -69,15 +76,17 @@ async def run_conductor(config: Config, instance_id: str) -> None:
     registry.watch(view.on_event)
     servicer = conductor.ConductorServicer(config, view, load_tokenizer(config.model.path))
     host, _, port = config.cluster.scheduler_endpoint.rpartition(":")
+    watch = asyncio.create_task(view.watch_suspects())
     await serve(
         conductor.services(servicer), host, int(port), registry=registry, role="conductor",
         instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
         record=lambda address, metrics: {"role": "conductor", "address": address, "metrics_address": metrics},
     )  # fmt: skip
+    watch.cancel()
 
 
-async def run_worker(config: Config, role: str, instance_id: str) -> None:
-    """Serve a prefill, decode or colocated engine worker."""
+async def run_worker(config: Config, role: str, instance_id: str) -> int:
+    """Serve a prefill, decode or colocated engine worker; the exit status (non-zero if its engine died)."""
     from services import colocated, decode, prefill
     from services.worker import build_worker
     from services.worker_http import WorkerEndpoint
@@ -106,15 +115,37 @@ async def run_worker(config: Config, role: str, instance_id: str) -> None:
             endpoint.stop()
         await worker.close()
 
-    await serve(
+    if os.environ.get(FAULT_INJECTION_ENV) == "1":
+        _install_fault_signals(worker)
+    heartbeat_timeout = config.cluster.engine_heartbeat_timeout_s
+    graceful = await serve(
         services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
         record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
         on_bound=endpoint.start if endpoint is not None else None, grace_s=config.cluster.drain_grace_s,
+        live=lambda: worker.loop.heartbeat_age() < heartbeat_timeout, fatal=worker.loop.died,
     )  # fmt: skip
+    return 0 if graceful else EXIT_ENGINE_DIED
 
 
-def run(config: Config, role: str, instance_id: str) -> None:
-    """Run one role until SIGTERM/SIGINT."""
+def _install_fault_signals(worker: Worker) -> None:
+    """Test-only fault hooks: SIGUSR1 makes the engine thread raise, SIGUSR2 freezes it (again: thaws it)."""
+    loop = asyncio.get_running_loop()
+    frozen = False
+
+    def toggle_freeze() -> None:
+        nonlocal frozen
+        frozen = not frozen
+        worker.loop.inject_fault("freeze" if frozen else "thaw")
+
+    loop.add_signal_handler(signal.SIGUSR1, worker.loop.inject_fault, "raise")
+    loop.add_signal_handler(signal.SIGUSR2, toggle_freeze)
+    log.warning(
+        "fault injection is on (%s=1): SIGUSR1 kills the engine thread, SIGUSR2 freezes it", FAULT_INJECTION_ENV
+    )
+
+
+def run(config: Config, role: str, instance_id: str) -> int:
+    """Run one role until SIGTERM/SIGINT; the process's exit status."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (one of: {', '.join(ROLES)})")
     provider = setup_tracing(config.telemetry, role, instance_id)
@@ -128,6 +159,7 @@ def run(config: Config, role: str, instance_id: str) -> None:
         elif role == "conductor":
             asyncio.run(run_conductor(config, instance_id))
         else:
-            asyncio.run(run_worker(config, role, instance_id))
+            return asyncio.run(run_worker(config, role, instance_id))
     finally:
         provider.shutdown()  # flushes the spans still buffered
+    return 0

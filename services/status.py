@@ -23,12 +23,21 @@ COLUMNS = (
 )
 
 
+STALLED_ENGINE_S = 5.0  # an engine loop that has not turned for this long is shown as stalled
+
+
 def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
     record = json.loads(instance.record_json)
     try:
         with sync_channel(instance.address) as channel:
             load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
-        health = "ok"
+        health = (
+            "ok"
+            if load.engine_heartbeat_age_s < STALLED_ENGINE_S
+            else f"engine stalled {load.engine_heartbeat_age_s:.0f}s"
+        )
+        if instance.scheduling not in ("", "ok"):
+            health += f", {instance.scheduling}"
         blocks = f"{load.num_free_blocks}/{load.num_total_blocks}"
         queried = load.prefix_cache_query_tokens
         hit_rate = f"{load.prefix_cache_hit_tokens / queried:.1%}" if queried else "-"
@@ -60,6 +69,8 @@ def print_status(config: Config) -> int:
             f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors
         )
         print(f"cost-model median relative error: {errors}")
+    overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
+    print(f"learned TTFT overhead: {overheads}")
     return 0
 
 

@@ -8,6 +8,7 @@ Transfer Engine, measures its own cost models, and then serves its role's RPCs p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from kvconductor.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.config import Config, WorkerConfig
 from services.cost_refiner import CostRefiner
-from services.engine_loop import EngineLoop
+from services.engine_loop import EngineDied, EngineLoop
 from services.kv_events import KvEventPublisher
 from services.metrics import register_engine
 from services.profiler import profile_engine
@@ -77,6 +78,7 @@ class Worker:
         """The etcd record describing this instance."""
         self.address, self.metrics_address = address, metrics_address
         pool, model = self.engine.kv_pool, self.engine.config
+        profile_prefill, profile_decode = self.refiner.profile_models()
         return {
             "role": self.role,
             "instance_id": self.instance_id,
@@ -97,13 +99,23 @@ class Worker:
             "vocab_size": model.vocab_size,
             "max_num_batched_tokens": self.pool_config.max_num_batched_tokens,
             "max_concurrent_requests": self.pool_config.max_concurrent_requests,
-            "cost_model": {"prefill": self.prefill_model.to_dict(), "decode": self.decode_model.to_dict()},
+            "cost_model": {
+                "prefill": self.prefill_model.to_dict(),
+                "decode": self.decode_model.to_dict(),
+                # the start-up profile alone: admission's reference for a request on an idle instance
+                "profile": {"prefill": profile_prefill.to_dict(), "decode": profile_decode.to_dict()},
+            },
             **self.extra_record,
         }
 
     def services(self) -> list[Service]:
         """The Worker service every role serves."""
         return [Service("kvconductor.v1.Worker", WorkerServicer(self), worker_pb2_grpc.add_WorkerServicer_to_server)]
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks; completes even if the calling handler is cancelled meanwhile."""
+        with contextlib.suppress(EngineDied):  # a dead engine frees nothing; the worker is leaving
+            await asyncio.shield(self.loop.call(lambda e: e.abort(request_id)))
 
     async def publish_kv_events(self, heartbeat: bool = False) -> None:
         """Send the engine's stored/evicted block hashes to kvmeta."""
@@ -209,6 +221,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 kv_blocks_received=w.counters.blocks_received,
                 prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
                 prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+                engine_beats=w.loop.beats,
+                engine_heartbeat_age_s=w.loop.heartbeat_age(),
             )
 
         return await w.loop.call_now(snapshot)

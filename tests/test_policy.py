@@ -248,3 +248,37 @@ def test_the_measured_ttft_overhead_counts_for_admission_not_for_the_choice():
     assert late.plan is not None and late.plan.prefill.instance_id == "p0"
     assert late.plan.ttft == pytest.approx(late.plan.prefill.ttft + 0.5)
     assert f"{late.plan.ttft * 1e3:.0f} ms" in late.reason
+
+
+def test_idle_instances_admit_a_probe_when_only_the_learned_models_predict_a_miss():
+    contended = PrefillModel(c0=0.002, c1=0.0008, c2=4e-8)  # learned in a burst: 4x slower than the profile
+    n = 2000  # profile: about 0.45 s of prefill; learned: about 1.8 s
+    idle = PrefillCandidate("p0", 0, 0.0, contended, idle=True, profile=PREFILL)
+    d = replace(decode(), profile=DECODE)
+    slo = Slo(max_ttft=1.0, max_tbt=1.0)
+    probe = policy().schedule([idle], [d], shape(n), slo)
+    assert isinstance(probe, Plan) and probe.probe
+    assert probe.ttft > 1.0  # the prediction keeps its numbers
+    assert probe.solo is not None and probe.solo[0] == pytest.approx(PREFILL.predict(n))
+    assert "probe" in probe.reason
+    busy = replace(idle, idle=False)  # something queued or running: the learned models decide
+    assert isinstance(policy().schedule([busy], [d], shape(n), slo), Rejection)
+    decoding = replace(d, residents=(Resident(0.0, 1.0, 100),))
+    assert isinstance(policy().schedule([idle], [decoding], shape(n), slo), Rejection)
+    too_long = policy().schedule([idle], [d], shape(6000), slo)  # over the SLO even under the profile
+    assert isinstance(too_long, Rejection) and too_long.kind == "ttft_slo"
+    assert too_long.plan is not None and too_long.plan.solo is not None and too_long.plan.solo[0] > 1.0
+
+
+def test_the_ttft_overhead_is_a_bounded_median_of_fresh_samples():
+    from scheduler.ttft_overhead import TtftOverhead
+
+    overhead = TtftOverhead(cap_s=0.5, horizon_s=60.0)
+    assert overhead.value(0.0) == 0.0
+    for i, sample in enumerate((0.01, 0.012, 3.0, 0.011, -0.2)):  # one slow outlier, one negative residual
+        overhead.observe(float(i), sample)
+    assert overhead.value(5.0) == pytest.approx(0.011)
+    for i in range(10):
+        overhead.observe(10.0 + i, 2.0)  # a burst of queueing-like samples cannot pass the cap
+    assert overhead.value(20.0) == 0.5
+    assert overhead.value(200.0) == 0.0  # decays: nothing fresh

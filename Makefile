@@ -11,7 +11,7 @@ TE_LIBS := libibverbs1 librdmacm1 libnuma1
 FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install protos lint format typecheck test fuzz run model clean all
+.PHONY: help install protos lint format typecheck test test-contended fuzz run model clean all
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -51,6 +51,9 @@ typecheck: install ## mypy (strict on scheduler/ and engine/)
 
 test: install ## Run the test suite (starts its own etcd and services)
 	$(BIN)/pytest
+
+test-contended: install ## The end-to-end tests with a busy loop on every core (a noisy neighbour)
+	$(BIN)/python tests/cpu_hog.py -- $(BIN)/pytest -m e2e
 
 fuzz: install ## Fuzz the REST shim and gRPC API with FUZZ_EXAMPLES per test (make test runs 25)
 	KVCONDUCTOR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest tests/test_fuzz_rest.py tests/test_fuzz_grpc.py

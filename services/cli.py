@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(serve)
 
     status = sub.add_parser("status", help="instances, their load and their fitted cost models")
+    status.add_argument(
+        "--window-s", type=float, default=0.0,
+        help="prediction errors and latencies over requests of the last N seconds (default 300)",
+    )  # fmt: skip
     _add_config_args(status)
 
     explain = sub.add_parser("explain", help="the scheduling decision of a recent request: candidates and reason")
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command == "explain":
             return print_decision(config, args.request_id)
-        return print_status(config)
+        return print_status(config, args.window_s)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

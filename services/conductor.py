@@ -45,7 +45,7 @@ from services.config import Config, WorkerConfig
 from services.decisions import DecisionLog, decision_attributes, to_decision
 from services.detokenizer import Detokenizer
 from services.job import RETRYABLE, Job, Piece, WorkerFailure, blame
-from services.prediction_errors import PredictionErrors
+from services.prediction_errors import DEFAULT_WINDOW_S, PredictionErrors
 from services.rpc import KV_TRANSFER_FAILED, RpcError, Service
 from services.telemetry import tracer
 
@@ -115,6 +115,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     ) -> conductor_pb2.GetStatusResponse:
         """The instances being scheduled on, the Conductor's load bookkeeping and prediction errors."""
         now = time.monotonic()
+        window = request.window_s if request.window_s > 0 else DEFAULT_WINDOW_S
         instances = [
             conductor_pb2.InstanceStatus(
                 role=v.role,
@@ -131,8 +132,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return conductor_pb2.GetStatusResponse(
             instances=instances,
             model=self.config.model.name,
-            prediction_errors=self.errors.summary(),
-            latencies=self.errors.latencies(),
+            prediction_errors=self.errors.summary(window),
+            latencies=self.errors.latencies(window),
             ttft_overhead_ms={path: o.value(now) * 1e3 for path, o in self.overheads.items()},
         )
 

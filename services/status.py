@@ -8,6 +8,7 @@ import grpc
 
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.config import Config
+from services.prediction_errors import DEFAULT_WINDOW_S
 from services.rpc import sync_channel
 
 COLUMNS = (
@@ -51,24 +52,27 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
             f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
 
 
-def print_status(config: Config) -> int:
-    """Print the table; 1 when the Conductor cannot be reached."""
+def print_status(config: Config, window_s: float = 0.0) -> int:
+    """Print the table (errors and latencies over the last ``window_s``; 0 = 300 s); 1 when unreachable."""
     try:
         with sync_channel(config.cluster.scheduler_endpoint) as channel:
-            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=5.0)
+            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
+                conductor_pb2.GetStatusRequest(window_s=window_s), timeout=5.0
+            )
     except grpc.RpcError as e:
         print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
         return 1
     print(f"model: {status.model}")
     _table([COLUMNS, *(_row(i) for i in status.instances)])
+    print(f"requests finished in the last {window_s or DEFAULT_WINDOW_S:.0f} s:")
     for lat in status.latencies:
-        print(f"recent {lat.metric.upper()} (n={lat.samples}): p50 {lat.p50_ms:.1f} ms, p90 {lat.p90_ms:.1f} ms, "
+        print(f"  {lat.metric.upper()} (n={lat.samples}): p50 {lat.p50_ms:.1f} ms, p90 {lat.p90_ms:.1f} ms, "
               f"p99 {lat.p99_ms:.1f} ms")  # fmt: skip
     if status.prediction_errors:
         errors = ", ".join(
             f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors
         )
-        print(f"cost-model median relative error: {errors}")
+        print(f"  cost-model median relative error: {errors}")
     overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
     print(f"learned TTFT overhead: {overheads}")
     return 0

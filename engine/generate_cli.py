@@ -2,7 +2,7 @@
 
 The prompt is tokenized as the Conductor does (no special tokens added), generated
 with the engine's sampler, and printed as text, or as JSON with the token ids. The
-flags are defined with the other subcommands in ``services/cli.py``: ``model``,
+flags are defined with the other subcommands in ``cli/main.py``: ``model``,
 ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``dtype``, ``json``.
 """
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 
+from cli import local_cluster
+from cli.local_cluster import LocalCluster
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services import local_cluster
-from services.local_cluster import LocalCluster
 
 MAX_TOKENS = 12
 
@@ -77,7 +77,7 @@ def bytes_per_block(cluster):
 def kvmeta_matches(cluster, block_hashes):
     """kvmeta's prefix match per instance, in blocks."""
     from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
-    from services.registry import Registry
+    from services.common.registry import Registry
 
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
         addresses = [record["address"] for record in registry.list("kvmeta").values()]
@@ -120,13 +120,13 @@ def run_load(cluster, prompts, threads=3, max_tokens=MAX_TOKENS):
 def spawn(cluster, role, instance_id, log_dir):
     """Start one more process of the cluster (`kvconductor serve`), logging to log_dir/<id>.log."""
     log = (Path(log_dir) / f"{instance_id}.log").open("wb")
-    args = [sys.executable, "-m", "services.cli", "serve", role, "--id", instance_id, *cluster.manifest["serve_args"]]
+    args = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *cluster.manifest["serve_args"]]
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
 
 
 def wait_registered(cluster, role, instance_id, present=True, timeout=60):
     """Wait until an instance's key is (or is no longer) in etcd."""
-    from services.registry import Registry
+    from services.common.registry import Registry
 
     deadline = time.monotonic() + timeout
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:

@@ -118,7 +118,7 @@ def test_pacing_defaults_and_poisson_arrivals():
 @pytest.mark.unit
 def test_parsing_bench_args_does_not_import_torch():
     code = (
-        "import sys; from services.cli import _parser; "
+        "import sys; from cli.main import _parser; "
         "_parser().parse_args(['bench', 'serve', '--base-url', 'http://x/v1', '--model', 'm']); "
         "_parser().parse_args(['bench', 'compare', '--requests', '4']); "
         "assert 'torch' not in sys.modules, 'torch imported'"
@@ -128,7 +128,7 @@ def test_parsing_bench_args_does_not_import_torch():
 
 @pytest.mark.unit
 def test_unreachable_base_url_is_one_line(capsys):
-    from services.cli import main
+    from cli.main import main
 
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
@@ -139,7 +139,7 @@ def test_unreachable_base_url_is_one_line(capsys):
 def test_bench_serve_against_a_cluster(tmp_path, model_dir):
     from helpers import launch_cluster, stop_cluster
 
-    from services.cli import main
+    from cli.main import main
 
     cluster = launch_cluster(tmp_path / "run", model_dir, "prefill.node_count=1", "decode.node_count=1")
     out = tmp_path / "serve.json"

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from services.config import ConfigError, config_from_dict, load_config
+from services.common.config import ConfigError, config_from_dict, load_config
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,7 @@ def test_cli_stops_on_a_bad_config_with_the_key_in_the_message(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[scheduler]\nkv_cache_balancing_threshold = -1\n")
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(bad)],
+        [sys.executable, "-m", "cli.main", "up", "--config", str(bad)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,7 +1,7 @@
 import pytest
 
 from scheduler.cost_model import DecodeModel, PrefillModel, attention_work
-from services.cost_refiner import HALF_LIFE_S, HORIZON_S, CostRefiner
+from services.worker.cost_refiner import HALF_LIFE_S, HORIZON_S, CostRefiner
 
 pytestmark = pytest.mark.unit
 

@@ -206,7 +206,7 @@ def _cli(cluster, *args):
     command = [
         sys.executable,
         "-m",
-        "services.cli",
+        "cli.main",
         *args,
         "--set",
         f'cluster.scheduler_endpoint="{cluster.conductor}"',
@@ -252,7 +252,7 @@ def test_long_prompt_streams_its_kv_during_prefill(cluster, model_dir):
 
 
 def test_python_client_and_generate_cluster_command(cluster):
-    from services.client import ConductorClient
+    from cli.client import ConductorClient
 
     with ConductorClient(cluster.conductor) as client:
         result = client.complete(list(range(10, 60)), max_tokens=5, ignore_eos=True, include_decision=True)
@@ -270,7 +270,7 @@ def test_python_client_and_generate_cluster_command(cluster):
 
 def test_colocated_worker_serves_the_openai_api_itself(cluster):
     """What third-party routers need from a worker: health, models, streaming completions, tokenize, load."""
-    from services.registry import Registry
+    from services.common.registry import Registry
 
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
         url = registry.list("colocated")[("colocated", "colocated-0")]["openai_url"]

@@ -25,10 +25,10 @@ from helpers import (
     wait_registered,
 )
 
+from cli.etcd_server import EmbeddedEtcd
 from engine.block_hash import prefix_block_hashes
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from services.etcd_server import EmbeddedEtcd
-from services.registry import Registry
+from services.common.registry import Registry
 
 pytestmark = pytest.mark.e2e
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED

@@ -38,9 +38,9 @@ import grpc
 import pytest
 from helpers import grpc_generate, reference_tokens, wait_registered
 
+from cli.etcd_server import EmbeddedEtcd
 from kvconductor.v1 import conductor_pb2
-from services.etcd_server import EmbeddedEtcd
-from services.net import free_port
+from services.common.net import free_port
 
 pytestmark = pytest.mark.e2e
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
@@ -145,7 +145,7 @@ class Processes:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, role: str, instance_id: str, args: list[str], netns: str | None = None) -> None:
-        command = [sys.executable, "-m", "services.cli", "serve", role, "--id", instance_id, *args]
+        command = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *args]
         if netns is not None:
             command = ["ip", "netns", "exec", netns, *command]  # `ip netns exec` execs: the pid is the server's
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvconductor.v1 import conductor_pb2, worker_pb2, worker_pb2_grpc
-from services.registry import Registry
+from services.common.registry import Registry
 
 pytestmark = pytest.mark.e2e
 

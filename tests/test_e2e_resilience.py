@@ -32,7 +32,7 @@ from kvconductor.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.serve import EXIT_ENGINE_DIED, FAULT_INJECTION_ENV
+from services.worker.main import EXIT_ENGINE_DIED, FAULT_INJECTION_ENV
 
 pytestmark = pytest.mark.e2e
 PD, COLOCATED = conductor_pb2.DEPLOYMENT_DISAGGREGATED, conductor_pb2.DEPLOYMENT_COLOCATED

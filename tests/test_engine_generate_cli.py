@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def kvconductor(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "services.cli", *args]
+    cmd = [sys.executable, "-m", "cli.main", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -6,8 +6,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from services.config import config_from_dict
-from services.gateway import create_app
+from services.common.config import config_from_dict
+from services.gateway.gateway import create_app
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,7 @@ def test_the_openai_sdk_raises_authentication_error():
 
 
 def test_an_open_gateway_warns_at_start(caplog):
-    with caplog.at_level(logging.WARNING, logger="services.gateway"):
+    with caplog.at_level(logging.WARNING, logger="services.gateway.gateway"):
         _app([])
     assert "api_keys" in caplog.text
 

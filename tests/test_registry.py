@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.etcd_server import EmbeddedEtcd
-from services.registry import InstanceEvent, Registry
+from cli.etcd_server import EmbeddedEtcd
+from services.common.registry import InstanceEvent, Registry
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ def test_killed_owner_expires(etcd: EmbeddedEtcd, cluster: str) -> None:
     script = textwrap.dedent(
         f"""
         import time
-        from services.registry import Registry
+        from services.common.registry import Registry
         registry = Registry({etcd.endpoint!r}, {cluster!r}, ttl=2)
         registry.register("decode", "victim", {{"pid": 1}})
         print("registered", flush=True)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.transfer import KVTransferEngine, TransferError, coalesce
+from services.worker.transfer import KVTransferEngine, TransferError, coalesce
 
 pytestmark = pytest.mark.integration
 

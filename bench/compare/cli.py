@@ -31,7 +31,7 @@ from bench.compare.measure import measure
 from bench.compare.routers import DEFAULT_CONTENDERS
 from bench.serve.cli import add_slo_arguments, add_workload_arguments
 from bench.serve.metrics import jsonable
-from services.local_cluster import REPO
+from cli.local_cluster import REPO
 
 DEFAULT_OUT = "bench/results/compare"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
-from services.local_cluster import local_cluster
+from cli.local_cluster import local_cluster
 
 
 def measure(

@@ -55,8 +55,8 @@ from bench.serve import metrics
 from bench.serve.cli import build_workload
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import shared_prefix
-from services.local_cluster import local_cluster, stop
-from services.net import free_port
+from cli.local_cluster import local_cluster, stop
+from services.common.net import free_port
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
 ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router"}
@@ -165,7 +165,7 @@ class WorkerInfo:
 
 def colocated_workers(manifest: dict[str, Any]) -> list[WorkerInfo]:
     """The colocated workers registered in the cluster that ``manifest`` (cluster.json) describes."""
-    from services.registry import Registry
+    from services.common.registry import Registry
 
     records = Registry(manifest["etcd"], manifest["cluster"]).list("colocated")
     workers = [

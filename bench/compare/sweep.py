@@ -39,7 +39,7 @@ def score(summary: dict[str, Any]) -> tuple[float, float]:
 
 def steps(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, tuple[str, ...]]]]]:
     """(step, [(value label, overrides)]); each knob's first value is the configured one (no override)."""
-    from services.config import load_config
+    from services.common.config import load_config
 
     config = load_config(args.config, args.set)
     ratios: list[tuple[str, tuple[str, ...]]] = [

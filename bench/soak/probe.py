@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from kvconductor.v1 import worker_pb2, worker_pb2_grpc
-from services.registry import Registry
+from services.common.registry import Registry
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 GET_LOAD_TIMEOUT_S = 5.0

@@ -44,7 +44,7 @@ from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import BenchRequest, random_lengths, shared_prefix
 from bench.soak import report
 from bench.soak.probe import Prober, cluster_processes, worker_addresses
-from services.local_cluster import REPO, local_cluster
+from cli.local_cluster import REPO, local_cluster
 
 DEFAULT_OUT = "bench/results/soak"
 DEFAULT_REQUESTS = 150

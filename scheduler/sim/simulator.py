@@ -1,6 +1,6 @@
 """The event loop: requests arrive, the live policy plans them, simulated instances run the plans.
 
-Per arrival the simulator does what the live Conductor does (services/conductor.py ``_plan`` and
+Per arrival the simulator does what the live Conductor does (services/conductor/conductor.py ``_plan`` and
 ``_assign``): match the prompt's block hashes in the global ``KVIndex``, build one ``PrefillCandidate``
 per prefill instance and one ``DecodeCandidate`` per decode instance from its bookings, call
 ``ConductorPolicy.schedule``, and book the plan. Peers' rules (``dynamo``, ``sglang``) pick the prefill

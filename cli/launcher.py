@@ -1,0 +1,244 @@
+"""``kvconductor up``: a whole local cluster, one OS process per role, each with its own log file.
+
+Start order: embedded etcd (unless ``[cluster] etcd_endpoints`` names one) -> kvmeta -> Conductor ->
+prefill, decode and colocated workers -> gateway. The cluster is ready when every process has
+registered in etcd and the gateway answers ``/health``. One Ctrl-C or SIGTERM stops the processes in
+reverse order (SIGTERM, a grace period, then SIGKILL), each of them only its own child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from cli.etcd_server import EmbeddedEtcd
+from services.common.cluster_registry import etcd_auth
+from services.common.config import Config, load_config
+from services.common.net import free_port
+from services.common.registry import Registry
+
+READY_TIMEOUT_S = 180.0
+STOP_GRACE_S = 5.0  # beyond [cluster] drain_grace_s, before SIGKILL
+
+
+@dataclass
+class Child:
+    """One launched process."""
+
+    role: str
+    instance_id: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+class Cluster:
+    """The processes of a local cluster."""
+
+    def __init__(self, config_path: str | None, overrides: Sequence[str] = (), run_dir: str | None = None) -> None:
+        self.config_path = config_path
+        self.overrides = list(overrides)
+        self.config: Config = load_config(config_path, self.overrides)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(run_dir or Path(self.config.cluster.run_dir) / stamp)
+        self.children: list[Child] = []
+        self.etcd: EmbeddedEtcd | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The REST base URL."""
+        scheme = "https" if self.config.gateway.tls_cert_file else "http"
+        return f"{scheme}://{self.config.gateway.host}:{self.config.gateway.port}/v1"
+
+    def start(self) -> None:
+        """Start every process and wait until the cluster is ready (stops what started on failure)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._ensure_model()
+            self._start_etcd()
+            self._resolve_ports()
+            self._default_trace_dir()
+            for role, instance_id in self._plan():
+                self._spawn(role, instance_id)
+            self._wait_ready()
+            self._write_manifest()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _write_manifest(self) -> None:
+        """``cluster.json`` in the run dir: endpoints and process ids, for scripts and tests."""
+        manifest = {
+            "rest": self.base_url,
+            "conductor": self.config.cluster.scheduler_endpoint,
+            "etcd": self.config.cluster.etcd_endpoints,
+            "cluster": self.config.cluster.name,
+            "processes": {c.instance_id: {"role": c.role, "pid": c.process.pid, "log": str(c.log_path)}
+                          for c in self.children},
+            # `kvconductor serve ROLE --id ID <serve_args>` starts one more process of this cluster.
+            "serve_args": self._config_args(),
+        }  # fmt: skip
+        if self.etcd is not None:
+            manifest["embedded_etcd"] = {"pid": self.etcd.pid, "client_port": self.etcd.client_port,
+                                         "peer_port": self.etcd.peer_port, "run_dir": str(self.run_dir)}  # fmt: skip
+        (self.run_dir / "cluster.json").write_text(json.dumps(manifest, indent=2))
+
+    def _ensure_model(self) -> None:
+        model = Path(self.config.model.path)
+        if (model / "config.json").exists():
+            return
+        if not self.config.model.create_if_missing:
+            raise ValueError(f"[model] path: {model} has no config.json (set create_if_missing = true to generate one)")
+        from engine.checkpoint import make_model
+
+        print(f"generating the default model at {model} ...", flush=True)
+        make_model(model)
+
+    def _start_etcd(self) -> None:
+        if self.config.cluster.etcd_endpoints:
+            return
+        self.etcd = EmbeddedEtcd(client_port=self.config.cluster.etcd_port, run_dir=self.run_dir)
+        self.etcd.start()
+        self._override("cluster.etcd_endpoints", f'["{self.etcd.endpoint}"]')
+
+    def _default_trace_dir(self) -> None:
+        if not self.config.telemetry.trace_dir and not self.config.telemetry.otlp_endpoint:
+            self._override("telemetry.trace_dir", f'"{self.run_dir / "traces"}"')
+
+    def _resolve_ports(self) -> None:
+        host, _, port = self.config.cluster.scheduler_endpoint.rpartition(":")
+        if port == "0":
+            self._override("cluster.scheduler_endpoint", f'"{host}:{free_port()}"')
+        if self.config.gateway.port == 0:
+            self._override("gateway.port", str(free_port()))
+
+    def _override(self, key: str, value: str) -> None:
+        self.overrides.append(f"{key}={value}")
+        self.config = load_config(self.config_path, self.overrides)
+
+    def _config_args(self) -> list[str]:
+        args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
+        for override in self.overrides:
+            args += ["--set", override]
+        return args
+
+    def _plan(self) -> list[tuple[str, str]]:
+        c = self.config
+        plan = [("kvmeta", "kvmeta-0"), ("conductor", "conductor-0")]
+        plan += [("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if c.decode.node_count else 0)]
+        plan += [("decode", f"decode-{i}") for i in range(c.decode.node_count if c.prefill.node_count else 0)]
+        plan += [("colocated", f"colocated-{i}") for i in range(c.colocated.node_count)]
+        return [*plan, ("gateway", "gateway-0")]
+
+    def _spawn(self, role: str, instance_id: str) -> None:
+        log_path = self.run_dir / f"{instance_id}.log"
+        args = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *self._config_args()]
+        threads = str(getattr(self.config, role).torch_threads) if role in ("prefill", "decode", "colocated") else "1"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.children.append(Child(role, instance_id, process, log_path))
+
+    def _wait_ready(self) -> None:
+        expected = {(c.role, c.instance_id) for c in self.children if c.role != "gateway"}
+        with Registry(
+            self.config.cluster.etcd_endpoints, self.config.cluster.name, auth=etcd_auth(self.config)
+        ) as registry:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while time.monotonic() < deadline:
+                self._check_alive()
+                if expected <= set(registry.list()) and self._gateway_healthy():
+                    return
+                time.sleep(0.25)
+            missing = sorted(i for r, i in expected - set(registry.list()))
+        raise RuntimeError(f"cluster not ready after {READY_TIMEOUT_S:.0f} s; not registered: {missing}")
+
+    def _gateway_healthy(self) -> bool:
+        try:
+            # A liveness probe of the process just started on this host: its certificate is not the question here.
+            url = self.base_url.removesuffix("/v1") + "/health"
+            return httpx.get(url, timeout=1.0, verify=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if child.process.poll() is not None:
+                tail = child.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{child.instance_id} exited with {child.process.returncode}; log tail:\n{tail}")
+
+    def dead_children(self) -> list[Child]:
+        """Processes that have exited."""
+        return [c for c in self.children if c.process.poll() is not None]
+
+    def stop(self) -> None:
+        """Stop every process, newest first: SIGTERM, grace period, SIGKILL."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.cluster.drain_grace_s + STOP_GRACE_S
+        for child in reversed(self.children):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+
+def banner(cluster: Cluster) -> str:
+    """What `up` prints once the cluster is ready."""
+    c = cluster.config
+    lines = [
+        f"kvconductor ready: model {c.model.name!r}, logs in {cluster.run_dir}",
+        f"  REST (OpenAI-compatible): {cluster.base_url}",
+        f"  gRPC Conductor:           {c.cluster.scheduler_endpoint}",
+        f"  etcd:                     {', '.join(c.cluster.etcd_endpoints)}",
+        "Try:",
+        f"  curl -N {cluster.base_url}/chat/completions -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{c.model.name}", "messages": [{{"role": "user", "content": "Hello"}}], '
+        '"max_tokens": 32, "stream": true}\'',
+        "Ctrl-C stops the cluster.",
+    ]
+    return "\n".join(lines)
+
+
+def up(config_path: str | None, overrides: Sequence[str], run_dir: str | None) -> int:
+    """Start the cluster, serve until SIGINT/SIGTERM, stop it."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cluster = Cluster(config_path, overrides, run_dir)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"starting a local cluster (logs in {cluster.run_dir}) ...", flush=True)
+    cluster.start()
+    print(banner(cluster), flush=True)
+    reported: set[str] = set()
+    while not stopping:
+        for child in cluster.dead_children():
+            if child.instance_id not in reported:
+                reported.add(child.instance_id)
+                print(f"warning: {child.instance_id} exited ({child.process.returncode}); see {child.log_path}",
+                      flush=True)  # fmt: skip
+        time.sleep(0.5)
+    print("stopping ...", flush=True)
+    cluster.stop()
+    return 0

@@ -1,0 +1,43 @@
+"""``kvconductor serve ROLE``: one process of the cluster (kvmeta, conductor, prefill, decode, colocated, gateway).
+
+Each role's process lives in its folder (``services/<role>/main.py``; prefill, decode and colocated are
+``services/worker``). Every gRPC role registers in etcd once it serves; the gateway finds the Conductor
+at ``[cluster] scheduler_endpoint``. Roles are imported lazily: kvmeta, the Conductor and the gateway
+never import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.config import Config
+from services.common.telemetry import setup_tracing
+
+ROLES = ("kvmeta", "conductor", "prefill", "decode", "colocated", "gateway")
+
+
+def run(config: Config, role: str, instance_id: str) -> int:
+    """Run one role until SIGTERM/SIGINT; the process's exit status."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (one of: {', '.join(ROLES)})")
+    provider = setup_tracing(config.telemetry, role, instance_id)
+    try:
+        if role == "gateway":
+            from services.gateway.gateway import run_gateway
+
+            run_gateway(config)
+        elif role == "kvmeta":
+            from services.kvmeta.main import run as run_kvmeta
+
+            asyncio.run(run_kvmeta(config, instance_id))
+        elif role == "conductor":
+            from services.conductor.main import run as run_conductor
+
+            asyncio.run(run_conductor(config, instance_id))
+        else:
+            from services.worker.main import run as run_worker
+
+            return asyncio.run(run_worker(config, role, instance_id))
+    finally:
+        provider.shutdown()  # flushes the spans still buffered
+    return 0

@@ -1,0 +1,116 @@
+"""``kvconductor status`` and ``explain``: what the Conductor schedules on, and why it placed a request."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.config import Config
+from services.common.rpc import sync_channel
+from services.conductor.prediction_errors import DEFAULT_WINDOW_S
+
+COLUMNS = (
+    "role",
+    "instance",
+    "health",
+    "address",
+    "free/total blocks",
+    "running",
+    "hit rate",
+    "T_queue ms",
+    "cost model",
+)
+
+
+STALLED_ENGINE_S = 5.0  # an engine loop that has not turned for this long is shown as stalled
+
+
+def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
+    record = json.loads(instance.record_json)
+    try:
+        with sync_channel(instance.address) as channel:
+            load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+        health = (
+            "ok"
+            if load.engine_heartbeat_age_s < STALLED_ENGINE_S
+            else f"engine stalled {load.engine_heartbeat_age_s:.0f}s"
+        )
+        if instance.scheduling not in ("", "ok"):
+            health += f", {instance.scheduling}"
+        blocks = f"{load.num_free_blocks}/{load.num_total_blocks}"
+        queried = load.prefix_cache_query_tokens
+        hit_rate = f"{load.prefix_cache_hit_tokens / queried:.1%}" if queried else "-"
+        running = str(load.num_running)
+    except grpc.RpcError as e:
+        health, blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-", "-"
+    model = record["cost_model"]
+    costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model["prefill"])
+    costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model["decode"])
+    return (instance.role, instance.instance_id, health, instance.address, blocks, running, hit_rate,
+            f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
+
+
+def print_status(config: Config, window_s: float = 0.0) -> int:
+    """Print the table (errors and latencies over the last ``window_s``; 0 = 300 s); 1 when unreachable."""
+    try:
+        with sync_channel(config.cluster.scheduler_endpoint) as channel:
+            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
+                conductor_pb2.GetStatusRequest(window_s=window_s), timeout=5.0
+            )
+    except grpc.RpcError as e:
+        print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
+        return 1
+    print(f"model: {status.model}")
+    _table([COLUMNS, *(_row(i) for i in status.instances)])
+    print(f"requests finished in the last {window_s or DEFAULT_WINDOW_S:.0f} s:")
+    for lat in status.latencies:
+        print(f"  {lat.metric.upper()} (n={lat.samples}): p50 {lat.p50_ms:.1f} ms, p90 {lat.p90_ms:.1f} ms, "
+              f"p99 {lat.p99_ms:.1f} ms")  # fmt: skip
+    if status.prediction_errors:
+        errors = ", ".join(
+            f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors
+        )
+        print(f"  cost-model median relative error: {errors}")
+    overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
+    print(f"learned TTFT overhead: {overheads}")
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def print_decision(config: Config, request_id: str) -> int:
+    """Print one request's decision; 1 when it is unknown or the Conductor unreachable."""
+    try:
+        with sync_channel(config.cluster.scheduler_endpoint) as channel:
+            d = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
+                conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=5.0
+            )
+    except grpc.RpcError as e:
+        print(f"no decision: {e.details() or e.code().name}")
+        return 1
+    verdict = "REJECTED" if d.rejected else f"prefill {d.prefill_instance} -> decode {d.decode_instance}"
+    print(f"request {d.request_id} ({d.policy}): {verdict}")
+    print(f"  {d.reason}")
+    print(f"  best_len {d.best_len} on {d.best_instance or '-'}; predicted TTFT {d.predicted_ttft_ms:.1f} ms, "
+          f"TBT {d.predicted_tbt_ms:.1f} ms")  # fmt: skip
+    o = d.outcome
+    if o.ttft_ms:
+        copied = f", copied {o.copied_tokens} in {o.kv_copy_ms:.1f} ms" if o.copied_tokens else ""
+        print(f"  measured: TTFT {o.ttft_ms:.1f} ms, TBT {o.tbt_ms:.1f} ms, prefill {o.prefill_ms:.1f} ms, "
+              f"KV send {o.kv_send_ms:.1f} ms ({o.kv_send_exposed_ms:.1f} ms after token 0), "
+              f"cached {o.cached_tokens} tokens{copied}")  # fmt: skip
+    header = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send", "TTFT (ms)")
+    rows = [
+        (c.instance_id, str(c.prefix_len), c.copy_from or "-", f"{c.t_queue_ms:.1f}", f"{c.t_transfer_ms:.1f}",
+         f"{c.t_prefill_ms:.1f}", f"{c.t_send_ms:.1f}", f"{c.predicted_ttft_ms:.1f}")
+        for c in d.candidates
+    ]  # fmt: skip
+    if rows:
+        _table([header, *rows])
+    return 0

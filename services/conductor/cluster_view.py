@@ -1,0 +1,225 @@
+"""The Conductor's view of the cluster: instances from etcd, their cost models and the work it assigned.
+
+Records arrive from the registry watch (on its thread) and are applied on the event loop. Load is the
+Conductor's own bookkeeping of what it sent where (``scheduler.booking``): T_queue of prefill work,
+the decode batch and the KV blocks reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler.booking import Bookings
+from scheduler.cost_model import DecodeModel, PrefillModel
+from scheduler.policy import DecodeCandidate, PrefillCandidate
+from services.common.registry import InstanceEvent
+from services.common.rpc import channel
+
+log = logging.getLogger(__name__)
+WORKER_ROLES = ("prefill", "decode", "colocated")
+CHANNEL_CLOSE_GRACE_S = 120.0
+
+
+@dataclass
+class InstanceView:
+    """One worker instance."""
+
+    role: str
+    instance_id: str
+    record: dict[str, Any]
+    channel: grpc.aio.Channel
+    prefill_model: PrefillModel
+    decode_model: DecodeModel
+    profile: tuple[PrefillModel, DecodeModel] | None = None  # the start-up profile's models
+    prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
+    decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
+
+    @property
+    def prefill_stub(self) -> prefill_pb2_grpc.PrefillStub:
+        """Stub of the Prefill service."""
+        return prefill_pb2_grpc.PrefillStub(self.channel)
+
+    @property
+    def decode_stub(self) -> decode_pb2_grpc.DecodeStub:
+        """Stub of the Decode service."""
+        return decode_pb2_grpc.DecodeStub(self.channel)
+
+    @property
+    def colocated_stub(self) -> colocated_pb2_grpc.ColocatedStub:
+        """Stub of the Colocated service."""
+        return colocated_pb2_grpc.ColocatedStub(self.channel)
+
+    def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
+        """The instance as a prefill candidate."""
+        budget = int(self.record["max_num_batched_tokens"])
+        t_queue = self.prefilling.t_queue(now)
+        profile = self.profile[0] if self.profile else None
+        if self.role == "prefill":
+            return PrefillCandidate(self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=budget,
+                                    idle=not self.prefilling, profile=profile)  # fmt: skip
+        decoding = [r for r in self.decoding.residents(now) if r.t_join <= 0]
+        step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
+        return PrefillCandidate(
+            self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step, step_tokens=budget,
+            idle=not self.prefilling and not self.decoding, profile=profile,
+        )  # fmt: skip
+
+    def decode_candidate(self, now: float) -> DecodeCandidate:
+        """The instance as a decode candidate."""
+        return DecodeCandidate(
+            self.instance_id,
+            residents=self.decoding.residents(now),
+            num_free_blocks=int(self.record["num_blocks"]) - self.decoding.num_blocks,
+            max_running=int(self.record["max_concurrent_requests"]),
+            model=self.decode_model,
+            profile=self.profile[1] if self.profile else None,
+        )
+
+
+def _profile(cost_model: dict[str, Any]) -> tuple[PrefillModel, DecodeModel] | None:
+    profile = cost_model.get("profile")
+    if not profile:
+        return None
+    return PrefillModel.from_dict(profile["prefill"]), DecodeModel.from_dict(profile["decode"])
+
+
+class ClusterView:
+    """Instances by role, kept in step with etcd."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, InstanceView] = {}
+        self.kvmeta_address = ""
+        self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
+        self._kvmeta_addresses: dict[str, str] = {}  # kvmeta instances by id, in registration order
+        self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
+        self._suspects: dict[str, int | None] = {}  # stalled instance -> its engine beats when first probed
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Apply registry events on ``loop`` from now on."""
+        self._loop = loop
+
+    def on_event(self, event: InstanceEvent) -> None:
+        """Registry callback (any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._apply, event)
+
+    def _apply(self, event: InstanceEvent) -> None:
+        if event.role == "kvmeta":
+            self._apply_kvmeta(event)
+            return
+        if event.role not in WORKER_ROLES:
+            return
+        old = self.instances.pop(event.instance_id, None)
+        if old is None or event.kind == "delete" or event.record is None:
+            self._suspects.pop(event.instance_id, None)  # a new process of that name starts with a clean slate
+        if event.kind == "delete" or event.record is None:
+            log.info("%s %s left", event.role, event.instance_id)
+            if old is not None:  # calls in flight (a draining worker's streams) keep their channel a while
+                asyncio.ensure_future(old.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
+            return
+        record = event.record
+        same_address = old is not None and old.record["address"] == record["address"]
+        view = InstanceView(
+            event.role,
+            event.instance_id,
+            record,
+            old.channel if old is not None and same_address else channel(record["address"]),
+            PrefillModel.from_dict(record["cost_model"]["prefill"]),
+            DecodeModel.from_dict(record["cost_model"]["decode"]),
+            _profile(record["cost_model"]),
+        )
+        if old is not None and same_address:
+            view.prefilling, view.decoding = old.prefilling, old.decoding
+        self.instances[event.instance_id] = view
+        if old is None:
+            log.info("%s %s joined at %s", event.role, event.instance_id, record["address"])
+
+    def _apply_kvmeta(self, event: InstanceEvent) -> None:
+        """Follow the newest kvmeta: a replacement registers before the old one's lease expires."""
+        if event.kind == "put" and event.record:
+            self._kvmeta_addresses[event.instance_id] = event.record["address"]
+        else:
+            self._kvmeta_addresses.pop(event.instance_id, None)
+        address = next(reversed(self._kvmeta_addresses.values()), "")
+        if address == self.kvmeta_address:
+            return
+        if self.kvmeta is not None:
+            asyncio.ensure_future(self.kvmeta.close())
+        self.kvmeta_address = address
+        self.kvmeta = channel(address) if address else None
+
+    def pool(self, role: str) -> list[InstanceView]:
+        """Instances of one role, by id, except quarantined and suspect ones."""
+        now = time.monotonic()
+        return sorted(
+            (v for v in self.instances.values() if v.role == role and self.usable(v.instance_id, now)),
+            key=lambda v: v.instance_id,
+        )
+
+    def scheduling(self, instance_id: str, now: float) -> str:
+        """How the Conductor treats the instance now: "suspect", "quarantined" or "ok"."""
+        if instance_id in self._suspects:
+            return "suspect"
+        return "quarantined" if self._quarantine.get(instance_id, 0.0) > now else "ok"
+
+    def usable(self, instance_id: str, now: float) -> bool:
+        """Neither quarantined nor suspect."""
+        return self._quarantine.get(instance_id, 0.0) <= now and instance_id not in self._suspects
+
+    def suspect(self, instance_id: str) -> None:
+        """An instance stalled a request: no new work until its engine shows progress (``watch_suspects``)."""
+        if instance_id in self.instances and instance_id not in self._suspects:
+            log.warning("%s is suspect (a request made no progress there): no new work until its engine moves",
+                        instance_id)  # fmt: skip
+            self._suspects[instance_id] = None
+
+    @property
+    def suspects(self) -> list[str]:
+        """Instances that get no new work until they show progress."""
+        return sorted(self._suspects)
+
+    async def watch_suspects(self, period_s: float = 1.0) -> None:
+        """Probe suspect instances; one whose engine loop turns again is back in the pools (runs for ever)."""
+        while True:
+            await asyncio.sleep(period_s)
+            for instance_id in list(self._suspects):
+                await self._probe(instance_id, period_s)
+
+    async def _probe(self, instance_id: str, timeout_s: float) -> None:
+        view = self.instances.get(instance_id)
+        if view is None:
+            self._suspects.pop(instance_id, None)
+            return
+        try:
+            load = await worker_pb2_grpc.WorkerStub(view.channel).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return  # no answer is no progress
+        seen = self._suspects.get(instance_id)
+        if seen is None:
+            self._suspects[instance_id] = load.engine_beats
+        elif load.engine_beats > seen:
+            del self._suspects[instance_id]
+            log.warning("%s shows progress again: back in the pools", instance_id)
+
+    def quarantine(self, instance_id: str, seconds: float) -> None:
+        """Avoid an instance that just failed a request until its lease would have expired, had it died."""
+        self._quarantine[instance_id] = time.monotonic() + seconds
+
+    def max_model_len(self) -> int:
+        """The smallest context length any worker serves (0 when there is none)."""
+        lengths = [int(v.record["max_model_len"]) for v in self.instances.values()]
+        return min(lengths, default=0)
+
+    def block_size(self) -> int:
+        """KV block size shared by the workers."""
+        return next((int(v.record["block_size"]) for v in self.instances.values()), 16)

@@ -1,0 +1,579 @@
+"""The Conductor: the global scheduler and the public ``Generate`` API.
+
+Per request: tokenize -> chained block hashes -> kvmeta prefix match per instance -> Algorithm 1
+(``scheduler.policy``) -> reserve on the decode instance -> prefill (its KV goes straight into the
+reserved blocks) -> relay token 0 and the decode stream, detokenized, with stop strings, usage and
+the decision. On the colocated path one instance does both. Cancelling the call cancels the
+downstream calls, which free their KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from tokenizers import Tokenizer
+
+from engine.block_hash import prefix_block_hashes
+from kvconductor.v1 import (
+    colocated_pb2,
+    common_pb2,
+    conductor_pb2,
+    conductor_pb2_grpc,
+    decode_pb2,
+    kvmeta_pb2,
+    kvmeta_pb2_grpc,
+    prefill_pb2,
+)
+from scheduler.booking import Booking, request_blocks
+from scheduler.cost_model import LinkModels, TransferModel
+from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
+from scheduler.ttft_overhead import TtftOverhead
+from services.common import metrics
+from services.common.config import Config, WorkerConfig
+from services.common.rpc import KV_TRANSFER_FAILED, RpcError, Service
+from services.common.telemetry import tracer
+from services.conductor.cluster_view import ClusterView, InstanceView
+from services.conductor.decisions import DecisionLog, decision_attributes, to_decision
+from services.conductor.detokenizer import Detokenizer
+from services.conductor.job import RETRYABLE, Job, Piece, WorkerFailure, blame
+from services.conductor.prediction_errors import DEFAULT_WINDOW_S, PredictionErrors
+
+log = logging.getLogger(__name__)
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+OVERHEAD_CAP = 0.25  # the learned TTFT overhead is at most this share of the TTFT SLO
+
+
+class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
+    """``Conductor.Generate``, ``ExplainDecision`` and ``GetStatus``."""
+
+    def __init__(self, config: Config, view: ClusterView, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.view = view
+        self.tokenizer = tokenizer
+        self.policy = ConductorPolicy(config.scheduler.policy_config())
+        self.links = LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps))
+        self.decisions = DecisionLog()
+        self.errors = PredictionErrors()
+        self.mean_output_tokens = 0.0  # moving average of completion lengths (0 = none seen yet)
+        # time outside the instances' models, per serving path (scheduler/ttft_overhead.py)
+        self.overheads = {
+            "disaggregated": TtftOverhead(OVERHEAD_CAP * config.prefill.max_ttft_ms / 1e3),
+            "colocated": TtftOverhead(OVERHEAD_CAP * config.colocated.max_ttft_ms / 1e3),
+        }
+        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget calls, kept from garbage collection
+
+    async def Generate(  # noqa: N802
+        self, request: conductor_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[conductor_pb2.GenerateResponse]:
+        """Schedule, run and stream one request."""
+        job = self._admit(request)
+        disaggregated = self._use_disaggregated(request.deployment)
+        job.path = "disaggregated" if disaggregated else "colocated"
+        span = trace.get_current_span()
+        span.set_attributes(
+            {"kvconductor.request_id": job.request_id, "kvconductor.path": job.path,
+             "kvconductor.prompt_tokens": len(job.prompt), "kvconductor.max_tokens": job.sampling.max_tokens}
+        )  # fmt: skip
+        outcome = "failed"
+        try:
+            pieces = self._with_retries(job, self._disaggregated if disaggregated else self._colocated)
+            async for response in self._relay(job, pieces, request.include_decision):
+                yield response
+            outcome = "completed"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except RpcError as e:
+            outcome = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "failed"
+            raise
+        finally:
+            metrics.REQUESTS.labels(job.path, outcome).inc()
+            span.set_attribute("kvconductor.outcome", outcome)
+
+    async def ExplainDecision(  # noqa: N802
+        self, request: conductor_pb2.ExplainDecisionRequest, context: Any
+    ) -> conductor_pb2.Decision:
+        """The recorded decision of a recent request."""
+        decision = self.decisions.get(request.request_id)
+        if decision is None:
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"no decision recorded for request {request.request_id!r}")
+        return decision
+
+    async def GetStatus(  # noqa: N802
+        self, request: conductor_pb2.GetStatusRequest, context: Any
+    ) -> conductor_pb2.GetStatusResponse:
+        """The instances being scheduled on, the Conductor's load bookkeeping and prediction errors."""
+        now = time.monotonic()
+        window = request.window_s if request.window_s > 0 else DEFAULT_WINDOW_S
+        instances = [
+            conductor_pb2.InstanceStatus(
+                role=v.role,
+                instance_id=v.instance_id,
+                address=v.record["address"],
+                num_blocks=int(v.record["num_blocks"]),
+                num_running=len(v.decoding) + len(v.prefilling),
+                t_queue_ms=v.prefilling.t_queue(now) * 1e3,
+                record_json=json.dumps(v.record, sort_keys=True),
+                scheduling=self.view.scheduling(v.instance_id, now),
+            )
+            for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
+        ]
+        return conductor_pb2.GetStatusResponse(
+            instances=instances,
+            model=self.config.model.name,
+            prediction_errors=self.errors.summary(window),
+            latencies=self.errors.latencies(window),
+            ttft_overhead_ms={path: o.value(now) * 1e3 for path, o in self.overheads.items()},
+        )
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _admit(self, request: conductor_pb2.GenerateRequest) -> Job:
+        if request.model and request.model != self.config.model.name:
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+        max_len = self.view.max_model_len()
+        if max_len == 0:
+            raise RpcError(UNAVAILABLE, "no healthy workers")
+        prompt = self._prompt_ids(request)
+        if len(prompt) >= max_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {max_len}")
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        _check_sampling(sampling)
+        if sampling.max_tokens == 0:
+            sampling.max_tokens = max_len - len(prompt)
+        elif len(prompt) + sampling.max_tokens > max_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds the context length {max_len}"
+            )
+        if not sampling.HasField("seed"):
+            # One seed for the whole request, so the prefill and decode workers sample as one engine would.
+            sampling.seed = random.getrandbits(63)
+        rid = request.request_id or uuid.uuid4().hex
+        hashes = prefix_block_hashes(prompt, self.view.block_size())
+        return Job(rid, prompt, sampling, list(request.stop), hashes)
+
+    def _prompt_ids(self, request: conductor_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            prompt: list[int] = self.tokenizer.encode(request.text, add_special_tokens=False).ids
+        elif which == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise ValueError("the request needs a prompt: text or token_ids")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = min(int(v.record["vocab_size"]) for v in self.view.instances.values())
+        if max(prompt) >= vocab:
+            raise ValueError(f"token id {max(prompt)} is outside the vocabulary (size {vocab})")
+        return prompt
+
+    def _use_disaggregated(self, deployment: int) -> bool:
+        if deployment not in conductor_pb2.Deployment.values():
+            raise ValueError(f"unknown deployment {deployment}")
+        has_pd = bool(self.view.pool("prefill")) and bool(self.view.pool("decode"))
+        has_colocated = bool(self.view.pool("colocated"))
+        if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
+            if not has_pd:
+                raise RpcError(UNAVAILABLE, "no prefill/decode workers are available")
+            return True
+        if deployment == conductor_pb2.DEPLOYMENT_COLOCATED:
+            if not has_colocated:
+                raise RpcError(UNAVAILABLE, "no colocated workers are available")
+            return False
+        if not has_pd and not has_colocated:
+            raise RpcError(UNAVAILABLE, "no healthy workers")
+        return has_pd
+
+    async def _prefix_lens(self, job: Job, pool: list[InstanceView]) -> dict[str, int]:
+        """Cached prefix length (tokens) per instance; empty when kvmeta cannot answer (cache-unaware)."""
+        hashes = job.attempt_hashes(self.view.block_size())
+        if not hashes or self.view.kvmeta is None:
+            return {}
+        request = kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes, instance_ids=[v.instance_id for v in pool])
+        try:
+            response = await kvmeta_pb2_grpc.KvMetaStub(self.view.kvmeta).MatchPrefix(request, timeout=1.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("kvmeta unavailable (%s): scheduling without prefix matches", e.code().name)
+            return {}
+        block_size = self.view.block_size()
+        return {m.instance_id: m.prefix_blocks * block_size for m in response.matches}
+
+    async def _plan(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan:
+        """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
+        with tracer.start_as_current_span("conductor.schedule") as span:
+            outcome = await self._decide(job, prefills, decodes)
+            span.set_attributes(decision_attributes(job.decision))
+        if isinstance(outcome, Rejection):
+            log.info("request %s rejected: %s", job.request_id, outcome.reason)
+            metrics.REJECTIONS.labels(outcome.kind).inc()
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
+        log.info("request %s: %s", job.request_id, outcome.reason)
+        if outcome.probe:
+            metrics.PROBES.inc()
+        job.plan = outcome
+        return outcome
+
+    async def _decide(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan | Rejection:
+        colocated = prefills is decodes
+        prefix = await self._prefix_lens(job, prefills)
+        now = time.monotonic()
+        record = prefills[0].record
+        shape = RequestShape(
+            num_prompt_tokens=len(job.tokens),
+            num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, int(record["block_size"])),
+            block_size=int(record["block_size"]),
+            bytes_per_block=int(record["kv_layout"]["bytes_per_block"]),
+        )
+        ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
+        tbt_cfg: WorkerConfig = self.config.colocated if colocated else self.config.decode
+        slo = Slo(
+            ttft_cfg.max_ttft_ms / 1e3,
+            tbt_cfg.max_tbt_ms / 1e3,
+            self.config.scheduler.reject_on_slo_violation,
+            ttft_overhead=self.overheads[job.path].value(now),
+        )
+        outcome = self.policy.schedule(
+            [v.prefill_candidate(prefix.get(v.instance_id, 0), now) for v in prefills],
+            [v.decode_candidate(now) for v in decodes],
+            shape,
+            slo,
+            None if colocated else self.links,
+            colocated=colocated,
+        )
+        job.decision = to_decision(job.request_id, self.policy.config.policy, outcome)
+        self.decisions.record(job.decision)
+        return outcome
+
+    def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
+        """Book the request's prefill work on p and its decode footprint on d."""
+        now = time.monotonic()
+        n, max_tokens = len(job.tokens), job.attempt_sampling.max_tokens
+        blocks = request_blocks(n, max_tokens, self.view.block_size())
+        expected_tokens = max_tokens
+        if self.mean_output_tokens:
+            expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
+        p.prefilling.add(job.request_id, Booking(now, plan.prefill.t_prefill, n, 0))
+        d.decoding.add(
+            job.request_id,
+            Booking(now, 0.0, n, blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt),
+        )
+
+    def _release(self, job: Job, *instances: InstanceView) -> None:
+        for v in instances:
+            v.prefilling.remove(job.request_id, time.monotonic())
+            v.decoding.remove(job.request_id, time.monotonic())
+
+    # -- the two serving paths -------------------------------------------------------------------
+
+    async def _with_retries(
+        self, job: Job, attempt: Callable[[Job], AsyncGenerator[Piece, None]]
+    ) -> AsyncGenerator[Piece, None]:
+        """Run attempts until one finishes; a failed worker's request resumes elsewhere with what it streamed.
+
+        A resumed attempt prefills the prompt plus the tokens already streamed and continues from there,
+        so the client's stream goes on without a gap or a repeat (greedy output is the same as without
+        the failure). The failed instance is excluded for this request and avoided by others for a while.
+        """
+        for number in range(1, self.config.scheduler.max_attempts + 1):
+            try:
+                async for piece in attempt(job):
+                    job.generated += piece.token_ids
+                    yield piece
+                return
+            except WorkerFailure as failure:
+                job.failed.add(failure.instance_id)
+                if failure.stalled:
+                    metrics.STALLS.labels(job.phase, failure.instance_id).inc()
+                    self.view.suspect(failure.instance_id)
+                else:
+                    self.view.quarantine(failure.instance_id, self.config.cluster.lease_ttl_s + 1.0)
+                trace.get_current_span().add_event(
+                    "kvconductor.retry", {"attempt": number, "failed": str(failure), "streamed": len(job.generated)}
+                )
+                if number == self.config.scheduler.max_attempts:
+                    raise RpcError(UNAVAILABLE, f"gave up after {number} attempts; last: {failure}") from failure
+                log.warning("request %s: %s; resuming after %d streamed tokens", job.request_id, failure,
+                            len(job.generated))  # fmt: skip
+                metrics.RETRIES.labels(job.path).inc()
+
+    def _pool(self, role: str, job: Job) -> list[InstanceView]:
+        pool = [v for v in self.view.pool(role) if v.instance_id not in job.failed]
+        if not pool and job.failed:  # a retry with nowhere left to go: the failure, not a capacity rejection
+            raise RpcError(UNAVAILABLE, f"no {role} instance left after {', '.join(sorted(job.failed))} failed")
+        return pool
+
+    async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
+        tokens, sampling = job.tokens, job.attempt_sampling  # this attempt's, before it streams anything
+        plan = await self._plan(job, self._pool("prefill", job), self._pool("decode", job))
+        p = self.view.instances[plan.prefill.instance_id]
+        d = self.view.instances[plan.decode_instance]
+        self._assign(job, plan, p, d)
+        prefilled = decoded = False
+        try:
+            job.phase = "prefill"
+            first = await self._prefill_on(job, plan, p, d)
+            prefilled = True  # d holds a reservation with the prompt's KV until its Decode call takes it
+            _mark_decoding(d, job.request_id)
+            yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
+            job.phase = "decode"
+            with blame(d.instance_id):
+                call = d.decode_stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        request_id=job.request_id,
+                        prompt_token_ids=tokens,
+                        first_token_id=first.first_token_id,
+                        sampling=sampling,
+                    )
+                )
+                try:
+                    async for chunk in self._watch(call, d.instance_id, "decode", plan.tbt, plan.tbt):
+                        yield Piece(list(chunk.token_ids), chunk.finish_reason)
+                    decoded = True
+                finally:
+                    call.cancel()
+        finally:
+            self._release(job, p, d)
+            if prefilled and not decoded:  # the client left (or d failed) before Decode took the reservation
+                self._release_reservation(job, d)
+
+    def _stall_bound(self, predicted_s: float) -> float:
+        """Seconds without progress after which the watchdog gives up on a worker."""
+        s = self.config.scheduler
+        return max(s.stall_timeout_s, s.stall_factor * predicted_s)
+
+    async def _watch(
+        self, call: AsyncIterator[Any], instance_id: str, phase: str, first_s: float, next_s: float
+    ) -> AsyncIterator[Any]:
+        """A worker's stream under the progress watchdog: each message must come within its bound.
+
+        ``first_s`` and ``next_s`` are the predicted times to the first message and between later ones.
+        """
+        messages = aiter(call)
+        bound = self._stall_bound(first_s)
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(messages), bound)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise self._stalled(instance_id, phase, bound) from None
+            yield message
+            bound = self._stall_bound(next_s)
+
+    def _stalled(self, instance_id: str, phase: str, bound: float) -> WorkerFailure:
+        log.warning("no %s progress on %s for %.1f s (the watchdog's bound): abandoning it there", phase,
+                    instance_id, bound)  # fmt: skip
+        return WorkerFailure.stall(instance_id, phase, bound)
+
+    async def _prefill_on(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> prefill_pb2.PrefillResponse:
+        """Reserve on d, prefill on p into d's blocks (copying KV first if planned); release d on failure."""
+        tokens, sampling = job.tokens, job.attempt_sampling
+        bound = self._stall_bound(plan.prefill.ttft)
+        try:
+            with blame(d.instance_id):
+                reserved = await d.decode_stub.Reserve(
+                    decode_pb2.ReserveRequest(
+                        request_id=job.request_id, num_prompt_tokens=len(tokens), sampling=sampling
+                    ),
+                    timeout=self.config.scheduler.stall_timeout_s,
+                )
+            request = prefill_pb2.PrefillRequest(
+                request_id=job.request_id, prompt_token_ids=tokens, sampling=sampling, destination=reserved.target
+            )
+            source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
+            if source is not None:
+                request.copy_source.CopyFrom(
+                    prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record["address"])
+                )
+                request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
+            # A failed write into d's blocks is d's (or the link's) failure, not p's.
+            response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(request, timeout=bound)
+        except grpc.aio.AioRpcError as e:
+            self._release_reservation(job, d)
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the watchdog's deadline
+                raise self._stalled(p.instance_id, "prefill", bound) from e
+            at_fault = d if (e.details() or "").startswith(KV_TRANSFER_FAILED) else p
+            if e.code() in RETRYABLE:
+                raise WorkerFailure(at_fault.instance_id, e) from e
+            raise
+        except BaseException:
+            self._release_reservation(job, d)
+            raise
+        finally:
+            p.prefilling.prefill_done(job.request_id, time.monotonic())
+        self._learn(job, p, d, response)
+        return response
+
+    def _release_reservation(self, job: Job, d: InstanceView) -> None:
+        """Give back d's blocks, in the background: a dead or cut-off d must not delay the request's retry.
+
+        Best effort: a dead d has lost them anyway, and a live one frees them after kv_transfer_timeout_s.
+        """
+
+        async def release() -> None:
+            with contextlib.suppress(Exception):  # a closed channel, a cut link, a dead worker
+                await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id), timeout=5.0)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _learn(self, job: Job, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
+        """Feed measured transfers to the link models, the prediction errors and the decision; log them."""
+        plan = job.plan
+        if plan is None:
+            return
+        if job.decision is not None:
+            job.decision.outcome.MergeFrom(
+                conductor_pb2.Outcome(
+                    prefill_ms=r.prefill_seconds * 1e3,
+                    kv_send_ms=r.transfer_seconds * 1e3,
+                    kv_send_exposed_ms=r.transfer_exposed_seconds * 1e3,
+                    kv_copy_ms=r.copy_seconds * 1e3,
+                    copied_tokens=r.copied_tokens,
+                    cached_tokens=r.num_cached_tokens,
+                    copy_note=r.copy_note,
+                )
+            )
+        job.worker_ttft = r.prefill_seconds + r.transfer_exposed_seconds
+        self.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
+        self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
+        if r.copy_bytes:
+            self.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
+            self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)
+        copy = f", copied {r.copied_tokens} tokens in {r.copy_seconds * 1e3:.1f} ms" if r.copied_tokens else ""
+        note = f" ({r.copy_note})" if r.copy_note else ""
+        log.info(
+            "prefill %s: cached %d, computed %d in %.1f ms%s%s; %d KV bytes to %s in %.1f ms (%.1f ms after token 0)",
+            p.instance_id, r.num_cached_tokens, r.num_computed_tokens, r.prefill_seconds * 1e3, copy, note,
+            r.kv_bytes_sent, d.instance_id, r.transfer_seconds * 1e3, r.transfer_exposed_seconds * 1e3,
+        )  # fmt: skip
+
+    async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
+        pool = self._pool("colocated", job)
+        plan = await self._plan(job, pool, pool)
+        c = self.view.instances[plan.prefill.instance_id]
+        self._assign(job, plan, c, c)
+        request = colocated_pb2.ColocatedRequest(
+            request_id=job.request_id, prompt_token_ids=job.tokens, sampling=job.attempt_sampling
+        )
+        job.phase = "colocated"
+        with blame(c.instance_id):
+            call = c.colocated_stub.Generate(request)
+            try:
+                async for chunk in self._watch(call, c.instance_id, "colocated", plan.prefill.ttft, plan.tbt):
+                    c.prefilling.prefill_done(job.request_id, time.monotonic())
+                    _mark_decoding(c, job.request_id)
+                    yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
+            finally:
+                call.cancel()
+                self._release(job, c)
+
+    # -- relaying ----------------------------------------------------------------------------------
+
+    async def _relay(
+        self, job: Job, pieces: AsyncGenerator[Piece, None], include_decision: bool
+    ) -> AsyncIterator[conductor_pb2.GenerateResponse]:
+        detok = Detokenizer(self.tokenizer, job.stop)
+        completion, cached = 0, 0
+        times: list[float] = []
+        try:
+            async for piece in pieces:
+                times.append(time.monotonic())
+                completion += len(piece.token_ids)
+                cached = max(cached, piece.cached_tokens)
+                text = detok.add(piece.token_ids)
+                finish = common_pb2.FINISH_REASON_STOP if detok.stopped else piece.finish_reason
+                final = finish != common_pb2.FINISH_REASON_UNSPECIFIED
+                response = conductor_pb2.GenerateResponse(
+                    request_id=job.request_id, token_ids=piece.token_ids, text=text + (detok.flush() if final else "")
+                )
+                if include_decision and len(times) == 1 and job.decision is not None:
+                    response.decision.CopyFrom(job.decision)
+                if final:
+                    response.finish_reason = finish
+                    response.usage.CopyFrom(
+                        conductor_pb2.Usage(
+                            prompt_tokens=len(job.prompt), completion_tokens=completion, cached_tokens=cached
+                        )
+                    )
+                yield response
+                if final:
+                    self._observe(job, times, completion, cached)
+                    return
+        finally:
+            await pieces.aclose()
+        raise RpcError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")
+
+    def _observe(self, job: Job, times: list[float], completion_tokens: int, cached_tokens: int) -> None:
+        """Record the request's real TTFT and TBT against the plan's predictions."""
+        if job.plan is None:
+            return
+        ttft = times[0] - job.arrived
+        tbt = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else 0.0
+        self.errors.record("ttft", job.plan.ttft, ttft)
+        overhead = _overhead_sample(job, ttft)
+        if overhead is not None:
+            self.overheads[job.path].observe(time.monotonic(), overhead)
+        self.errors.record("tbt", job.plan.tbt, tbt)
+        metrics.TTFT.labels(job.path).observe(ttft)
+        metrics.E2E.labels(job.path).observe(times[-1] - job.arrived)
+        if tbt:
+            metrics.TBT.labels(job.path).observe(tbt)
+        for gap in (b - a for a, b in zip(times[1:], times[2:], strict=False)):
+            metrics.ITL.labels(job.path).observe(gap)
+        metrics.PROMPT_TOKENS.inc(len(job.prompt))
+        metrics.CACHED_TOKENS.inc(cached_tokens)
+        trace.get_current_span().set_attributes(
+            {"kvconductor.ttft_ms": ttft * 1e3, "kvconductor.tbt_ms": tbt * 1e3,
+             "kvconductor.completion_tokens": completion_tokens, "kvconductor.cached_tokens": cached_tokens}
+        )  # fmt: skip
+        if job.decision is not None:
+            job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
+        weight = 0.05
+        self.mean_output_tokens = (1 - weight) * (
+            self.mean_output_tokens or completion_tokens
+        ) + weight * completion_tokens
+
+
+def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
+    """Refuse sampling values no worker can honour, before any is scheduled."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+    if not (sampling.top_p == 0 or 0 < sampling.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (0 = off), got {sampling.top_p}")
+
+
+def _overhead_sample(job: Job, ttft: float) -> float | None:
+    """The part of a request's TTFT that no instance model sees (rules in scheduler/ttft_overhead.py)."""
+    if job.plan is None or job.failed:  # a resumed request's first token came from another attempt
+        return None
+    if job.worker_ttft is not None:  # what the prefill worker spent, its queue included
+        return ttft - job.worker_ttft
+    if job.plan.prefill.t_queue == 0:  # colocated: only requests that found the instance idle
+        return ttft - job.plan.prefill.ttft
+    return None
+
+
+def _mark_decoding(v: InstanceView, request_id: str) -> None:
+    booking = v.decoding.items.get(request_id)
+    if booking is not None and booking.decode_started is None:
+        booking.decode_started = time.monotonic()
+
+
+def services(servicer: ConductorServicer) -> list[Service]:
+    """What the Conductor serves."""
+    return [Service("kvconductor.v1.Conductor", servicer, conductor_pb2_grpc.add_ConductorServicer_to_server)]

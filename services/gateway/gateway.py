@@ -1,0 +1,346 @@
+"""The OpenAI-compatible REST shim: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+It validates the body, renders chat messages with the model's chat template, and calls the
+Conductor's ``Generate`` over gRPC; tokens come back as SSE chunks (``stream``) or one JSON body.
+gRPC status codes become OpenAI-shaped errors: INVALID_ARGUMENT 400, NOT_FOUND 404,
+RESOURCE_EXHAUSTED 429 (SLO rejection, with the Conductor's reason), UNAVAILABLE 503. A client that
+disconnects cancels the gRPC call, and with it the work on the workers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tokenizers import Tokenizer
+
+from engine.config import ModelConfig
+from engine.tokenizer import load_tokenizer
+from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from services.common import metrics
+from services.common.config import Config
+from services.common.rpc import channel
+from services.common.telemetry import extract_context, tracer
+from services.gateway.chat_template import ChatTemplate
+from services.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    SamplingFields,
+    TokenizeRequest,
+    error_body,
+)
+from services.gateway.openai_responses import HTTP_STATUS, Shaper, StreamingReply, sse_events
+
+log = logging.getLogger(__name__)
+ROUTES = ("/health", "/metrics", "/tokenize", "/get_load", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+def _error(status: int, message: str, param: str | None = None, request_id: str = "") -> JSONResponse:
+    headers = {"x-request-id": request_id} if request_id else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _grpc_error(e: grpc.aio.AioRpcError, request_id: str) -> JSONResponse:
+    return _error(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name, request_id=request_id)
+
+
+class Gateway:
+    """The shim's state: config, chat template, Conductor channel."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.model = config.model.name
+        self.template = ChatTemplate(config.model.path)
+        self.keys = [k.encode() for k in config.gateway.api_keys]
+        self._channel: grpc.aio.Channel | None = None
+        self._tokenizer: Tokenizer | None = None
+        self.in_flight = 0  # requests being generated (the event loop is the only writer)
+        self._max_model_len = 0
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the Conductor, made on first use inside the server's event loop."""
+        if self._channel is None:
+            self._channel = channel(self.config.cluster.scheduler_endpoint)
+        return self._channel
+
+    def tokenizer(self) -> tuple[Tokenizer, int]:
+        """The served model's tokenizer and context length (loaded on first use)."""
+        if self._tokenizer is None:
+            raw = json.loads((Path(self.config.model.path) / "config.json").read_text())
+            self._tokenizer = load_tokenizer(self.config.model.path)
+            self._max_model_len = ModelConfig.from_hf_config(raw, self.model).max_model_len
+        return self._tokenizer, self._max_model_len
+
+    @property
+    def conductor(self) -> conductor_pb2_grpc.ConductorStub:
+        """Stub of the Conductor."""
+        return conductor_pb2_grpc.ConductorStub(self.channel)
+
+    def check_key(self, request: Request) -> None:
+        """Bearer-key check, in constant time per configured key."""
+        if not self.keys:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        if not any(hmac.compare_digest(given, key) for key in self.keys):
+            raise OpenAIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    def grpc_request(
+        self, body: SamplingFields, request_id: str, prompt: str | list[int]
+    ) -> conductor_pb2.GenerateRequest:
+        """The Conductor request for a validated body."""
+        if body.model != self.model:
+            raise OpenAIError(404, f"model {body.model!r} does not exist; served: {self.model!r}",
+                              "not_found_error", "model", "model_not_found")  # fmt: skip
+        sampling = common_pb2.SamplingParams(
+            max_tokens=body.limit(),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+        )
+        if body.seed is not None:
+            sampling.seed = body.seed
+        request = conductor_pb2.GenerateRequest(
+            request_id=request_id, sampling=sampling, stop=body.stop_list(), model=body.model
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        return request
+
+
+router = APIRouter()
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """The framework's own errors (unknown path, wrong method, unparsable or too large body) in OpenAI's shape."""
+    if not isinstance(exc, HTTPException):
+        return await _unexpected(request, exc)
+    response = _error(exc.status_code, str(exc.detail))
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _openai_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, OpenAIError):
+        return await _unexpected(request, exc)
+    return JSONResponse(exc.body, status_code=exc.status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}")
+
+
+async def _around_request(request: Request, call_next: Any) -> Response:
+    """Every request: a server span continued from the caller's trace context, the size limit, metrics."""
+    route = request.url.path if request.url.path in ROUTES else "other"
+    parent = extract_context(dict(request.headers))
+    with tracer.start_as_current_span(f"{request.method} {route}", context=parent, kind=SpanKind.SERVER) as span:
+        limit = _gateway(request).config.gateway.max_request_bytes
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limit:
+            response: Response = _error(413, f"request body exceeds {limit} bytes")
+        else:
+            response = await call_next(request)
+        span.set_attribute("http.response.status_code", response.status_code)
+    metrics.HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
+    return response
+
+
+class _BodyLimit:
+    """413 for a body that grows past ``limit`` bytes as it arrives: chunked bodies declare no Content-Length."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, f"request body exceeds {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited if scope["type"] == "http" else receive, send)
+
+
+@router.get("/metrics")
+async def prometheus_metrics() -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 when the Conductor answers its health check."""
+    try:
+        stub = health_pb2_grpc.HealthStub(_gateway(request).channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+    except grpc.aio.AioRpcError:
+        return _error(503, "the Conductor is unreachable")
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return _error(503, "the Conductor is not serving")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    """The served model."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    card = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "kvconductor"}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids of a prompt, as a vLLM server answers (routers use it for prefix affinity)."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    if body.model is not None and body.model != gateway.model:
+        raise OpenAIError(404, f"model {body.model!r} does not exist", "not_found_error", "model", "model_not_found")
+    tokenizer, max_model_len = gateway.tokenizer()
+    tokens = tokenizer.encode(body.prompt, add_special_tokens=False).ids
+    return JSONResponse({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens})
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> JSONResponse:
+    """Requests in flight behind this endpoint (for routers' load-based policies)."""
+    gateway = _gateway(request)
+    try:
+        status = await gateway.conductor.GetStatus(conductor_pb2.GetStatusRequest(), timeout=2.0)
+    except grpc.aio.AioRpcError as e:
+        return _grpc_error(e, "")
+    running = sum(i.num_running for i in status.instances)
+    return JSONResponse({"load": running, "num_running": running, "num_instances": len(status.instances)})
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """Text completion."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+    return await _generate(gateway, body, request, prompt, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """Chat completion, prompted through the model's chat template."""
+    gateway = _gateway(request)
+    gateway.check_key(request)
+    prompt = gateway.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    return await _generate(gateway, body, request, prompt, chat=True)
+
+
+def create_app(config: Config) -> FastAPI:
+    """The FastAPI application."""
+    app = FastAPI(title="kvconductor", description=__doc__)
+    app.state.gateway = Gateway(config)
+    if not config.gateway.api_keys:
+        log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(_BodyLimit, limit=config.gateway.max_request_bytes)
+    app.middleware("http")(_around_request)
+    app.include_router(router)
+    return app
+
+
+async def _generate(
+    gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
+) -> Response:
+    """Admit the request under ``[gateway] max_concurrent_requests`` and run it."""
+    limit = gateway.config.gateway.max_concurrent_requests
+    if gateway.in_flight >= limit:
+        return _error(429, f"the gateway already serves {limit} requests ([gateway] max_concurrent_requests)")
+    gateway.in_flight += 1
+    streaming = False
+    try:
+        response = await _run(gateway, body, request, prompt, chat)
+        streaming = isinstance(response, StreamingReply)
+        return response
+    finally:
+        if not streaming:  # a stream releases its slot when it ends
+            gateway.in_flight -= 1
+
+
+async def _run(
+    gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
+) -> Response:
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    try:
+        call = gateway.conductor.Generate(gateway.grpc_request(body, request_id, prompt))
+        first = await call.read()
+    except grpc.aio.AioRpcError as e:
+        return _grpc_error(e, request_id)
+    headers = {"x-request-id": request_id}
+    if first is grpc.aio.EOF:
+        return _error(500, "the Conductor ended the stream without a response", request_id=request_id)
+    shaper = Shaper(gateway.model, request_id, chat)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def cleanup() -> None:
+            call.cancel()  # the client may have left before the stream began: stop the work on the workers
+            gateway.in_flight -= 1
+
+        return StreamingReply(sse_events(call, first, shaper, include_usage), headers, cleanup)
+    text, finish, usage = first.text, first.finish_reason, first.usage
+    try:
+        while (message := await call.read()) is not grpc.aio.EOF:
+            text += message.text
+            finish, usage = message.finish_reason, message.usage
+    except grpc.aio.AioRpcError as e:
+        return _grpc_error(e, request_id)
+    return JSONResponse(shaper.whole(text, finish, usage), headers=headers)
+
+
+def run_gateway(config: Config) -> None:
+    """Serve the shim until SIGTERM/SIGINT."""
+    uvicorn.run(
+        create_app(config),
+        host=config.gateway.host,
+        port=config.gateway.port,
+        log_level=config.telemetry.log_level,
+        timeout_graceful_shutdown=5,
+        ssl_certfile=config.gateway.tls_cert_file or None,
+        ssl_keyfile=config.gateway.tls_key_file or None,
+    )

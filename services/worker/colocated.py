@@ -1,0 +1,57 @@
+"""The colocated worker: prefill and decode in one engine, the non-disaggregated baseline.
+
+Prefill chunks and decode steps of different requests share one engine loop, so a long prompt stalls
+the decode steps of everyone else: the interference that disaggregation removes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvconductor.v1 import colocated_pb2, colocated_pb2_grpc, decode_pb2
+from services.common.rpc import Service
+from services.worker.decode import token_chunk
+from services.worker.engine_loop import next_output
+from services.worker.worker import Worker, sampling_from_proto
+
+
+class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
+    """``Colocated.Generate``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def Generate(  # noqa: N802
+        self, request: colocated_pb2.ColocatedRequest, context: Any
+    ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """Prefill and decode one request, streaming tokens (cached prompt tokens on the first chunk)."""
+        w, rid = self.worker, request.request_id
+        prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+        outputs = w.loop.open(rid)
+        finished = False
+        first = True
+        try:
+            await w.loop.call(lambda e: e.add_request(rid, prompt, params))
+            while not finished:
+                out = await next_output(outputs)
+                finished = out.finished
+                if out.new_token_ids or finished:
+                    yield token_chunk(list(out.new_token_ids), out.finish_reason, out.num_cached_tokens if first else 0)
+                if first:  # the prompt's blocks are cached now: let the Conductor see them
+                    await w.publish_kv_events()
+                    first = False
+        finally:
+            w.loop.close(rid)
+            if not finished:
+                await w.abort(rid)
+
+
+def services(worker: Worker) -> list[Service]:
+    """Everything a colocated worker serves."""
+    colocated = Service(
+        "kvconductor.v1.Colocated",
+        ColocatedServicer(worker),
+        colocated_pb2_grpc.add_ColocatedServicer_to_server,
+    )
+    return [colocated, *worker.services()]

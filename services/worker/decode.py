@@ -1,0 +1,164 @@
+"""The decode worker: reserves KV blocks, lets a prefill worker write the prompt's KV into them, decodes.
+
+Per request::
+
+    Reserve: blocks for prompt + max_tokens, so decoding never runs out of KV memory; the addresses of
+             the prompt's blocks go back to the Conductor, which hands them to the prefill worker
+    Decode:  the prompt's KV is in place; the request joins the continuous batch with token 0 from
+             prefill and streams every later token
+    Release: a reservation that will not be decoded
+
+A reservation whose Decode call has not come within ``kv_transfer_timeout_s`` is released, so a
+prefill that died mid-way cannot pin decode memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from engine.llm_engine import LLMEngine
+from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common import metrics
+from services.common.rpc import RpcError, Service
+from services.worker.engine_loop import next_output
+from services.worker.worker import FINISH_REASONS, Worker, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+
+def token_chunk(token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0) -> decode_pb2.TokenChunk:
+    """One streamed message."""
+    reason = FINISH_REASONS[finish_reason] if finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED
+    return decode_pb2.TokenChunk(token_ids=token_ids, finish_reason=reason, num_cached_tokens=num_cached_tokens)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """``Decode.Reserve``, ``Decode.Decode``, ``Decode.Release``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.reservations: dict[str, float] = {}  # request id -> deadline for its Decode call
+        self.released: dict[str, float] = {}  # released before their Reserve arrived -> when to forget them
+        worker.num_reserved = lambda: len(self.reservations)
+
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:  # noqa: N802
+        """Allocate blocks for the whole request and return the prompt blocks' addresses.
+
+        The reservation is on the books before the engine allocates, and the allocation finishes even if
+        the caller goes away (a cancelled Reserve): every allocated block is either released, decoded or
+        expired, never orphaned.
+        """
+        w, rid = self.worker, request.request_id
+        params = sampling_from_proto(request.sampling)
+        if rid in self.reservations:
+            raise ValueError(f"request {rid!r} already holds a reservation")
+        if self.released.pop(rid, None) is not None:
+            raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
+        self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
+
+        async def reserve() -> tuple[list[int] | None, int]:
+            blocks, free = await w.loop.call_now(
+                lambda e: (e.reserve(rid, request.num_prompt_tokens, params), e.num_free_blocks)
+            )
+            if blocks is not None and rid not in self.reservations:  # released while we allocated
+                await w.loop.call_now(lambda e: e.abort(rid))
+            return blocks, free
+
+        blocks, free = await asyncio.shield(reserve())
+        if blocks is None:
+            self.reservations.pop(rid, None)
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
+        pool = w.engine.kv_pool
+        prompt_blocks = blocks[: w.num_kv_blocks(request.num_prompt_tokens)]
+        target = common_pb2.KVBlockTarget(
+            transfer_endpoint=w.transfer.endpoint,
+            block_addresses=[pool.block_address(b) for b in prompt_blocks],
+            bytes_per_block=pool.bytes_per_block,
+        )
+        return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.TokenChunk]:  # noqa: N802
+        """Join the batch with token 0 and stream the following tokens."""
+        w, rid = self.worker, request.request_id
+        if self.reservations.pop(rid, None) is None:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)")
+        prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+        num_blocks = w.num_kv_blocks(len(prompt))
+        w.counters.blocks_received += num_blocks
+        w.counters.bytes_received += num_blocks * w.engine.kv_pool.bytes_per_block
+        metrics.KV_BYTES.labels("received").inc(num_blocks * w.engine.kv_pool.bytes_per_block)
+        span = trace.get_current_span()
+        gaps: list[float] = []
+        last = time.monotonic()
+        outputs = w.loop.open(rid)
+        finished = False
+        try:
+            first = await w.loop.call(lambda e: e.add_prefilled_request(rid, prompt, request.first_token_id, params))
+            if first is not None:  # token 0 ended it; the Conductor already has token 0 from the prefill worker
+                finished = True
+                yield token_chunk([], first.finish_reason)
+                return
+            out = await next_output(outputs)
+            while True:
+                finished = out.finished
+                if out.new_token_ids or finished:
+                    yield token_chunk(list(out.new_token_ids), out.finish_reason)
+                if finished:
+                    return
+                out = await next_output(outputs)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        finally:
+            w.loop.close(rid)
+            span.set_attributes(_tbt_attributes(gaps))
+            if not finished:
+                await w.abort(rid)
+
+    async def Release(self, request: decode_pb2.ReleaseRequest, context: Any) -> decode_pb2.ReleaseResponse:  # noqa: N802
+        """Free a reservation that will not be decoded."""
+        rid = request.request_id
+        if self.reservations.pop(rid, None) is None:  # not come yet (a cancelled Reserve may still arrive)
+            self.released[rid] = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
+            return decode_pb2.ReleaseResponse(released=False)
+        await self.worker.loop.call_now(lambda e: e.abort(rid))  # reserved, never in a batch
+        return decode_pb2.ReleaseResponse(released=True)
+
+    async def expire_reservations(self) -> None:
+        """Release reservations whose KV never came (runs for the worker's lifetime)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for rid in [rid for rid, until in self.released.items() if until < now]:
+                del self.released[rid]
+            for rid in [rid for rid, deadline in self.reservations.items() if deadline < now]:
+                log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
+                del self.reservations[rid]
+                await self.worker.loop.call(functools.partial(LLMEngine.abort, request_id=rid))
+
+
+def _tbt_attributes(gaps: list[float]) -> dict[str, float | int]:
+    if not gaps:
+        return {"kvconductor.decode.steps": 0}
+    ordered = sorted(gaps)
+    return {
+        "kvconductor.decode.steps": len(gaps),
+        "kvconductor.decode.tbt_mean_ms": sum(gaps) / len(gaps) * 1e3,
+        "kvconductor.decode.tbt_p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
+        "kvconductor.decode.tbt_max_ms": ordered[-1] * 1e3,
+    }
+
+
+def services(worker: Worker) -> tuple[list[Service], DecodeServicer]:
+    """Everything a decode worker serves (and the servicer, whose expiry task the caller runs)."""
+    servicer = DecodeServicer(worker)
+    decode = Service("kvconductor.v1.Decode", servicer, decode_pb2_grpc.add_DecodeServicer_to_server)
+    return [decode, *worker.services()], servicer

@@ -1,0 +1,186 @@
+"""KV copy between prefill workers: pull a prompt's cached prefix from its best holder (hot-spot replication).
+
+The puller (the prefill worker the Conductor chose) and the exporter (the best holder)::
+
+    puller: pin its own leading blocks, allocate blocks for the missing ones
+    exporter (ExportBlocks): pin the requested blocks it still holds, return their addresses
+    puller: read them through the transfer engine into its allocated blocks
+    exporter (ReleaseBlocks): unpin
+    puller: register the copied blocks in its prefix cache, then add the request, which now hits them
+
+A copy that cannot happen (blocks evicted meanwhile, exporter unreachable, no free blocks) shrinks or
+is skipped: the request then computes what is missing, so a copy never fails a request. Exports are
+pinned for at most ``kv_transfer_timeout_s``, so a puller that dies cannot leak the exporter's blocks.
+The exporter pins and unpins without waiting for its engine's current step (a busy holder is exactly
+the one a copy is planned from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
+from services.common.rpc import channel
+from services.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixCopy:
+    """A copy in progress on the puller: what it holds and what arrived."""
+
+    block_hashes: list[bytes]  # hashes of the prompt's first copy_num_blocks blocks
+    held: list[int] = field(default_factory=list)  # own leading blocks, pinned
+    targets: list[int] = field(default_factory=list)  # allocated for the missing blocks
+    num_copied: int = 0  # leading targets filled from the exporter
+    bytes: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def num_own(self) -> int:
+        """Leading blocks the puller held already."""
+        return len(self.held)
+
+    def prepare(self, engine: LLMEngine, prompt: list[int]) -> None:
+        """Engine thread: pin own leading blocks and allocate the missing ones."""
+        self.held = engine.pin_cached_blocks(self.block_hashes, prompt)
+        missing = len(self.block_hashes) - len(self.held)
+        targets = engine.allocate_blocks(missing) if missing else []
+        if targets is None:
+            self.note = f"no room for {missing} copied blocks"
+        self.targets = targets or []
+
+    def finish(self, engine: LLMEngine, prompt: list[int]) -> None:
+        """Engine thread: cache the copied blocks and give back the rest (call before add_request)."""
+        block_size = engine.kv_pool.block_size
+        first, last = self.num_own, self.num_own + self.num_copied
+        copied = self.targets[: self.num_copied]
+        if copied:
+            engine.commit_imported_blocks(
+                copied, self.block_hashes[first:last], prompt[first * block_size : last * block_size]
+            )
+        engine.unpin_blocks(self.targets[self.num_copied :])
+
+    def unpin_held(self, engine: LLMEngine) -> None:
+        """Engine thread: drop the pins on own blocks (after add_request took its own references)."""
+        engine.unpin_blocks(self.held)
+
+    def abandon(self, engine: LLMEngine, prompt: list[int]) -> None:
+        """Engine thread: give everything back when the request will not run."""
+        self.finish(engine, prompt)
+        self.unpin_held(engine)
+
+
+async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], source: prefill_pb2.KVSource) -> None:
+    """Read the blocks ``copy`` lacks from ``source``; records what arrived (never raises on a failed copy)."""
+    if not copy.targets:
+        return
+    block_size = worker.engine.kv_pool.block_size
+    first, last = copy.num_own, copy.num_own + len(copy.targets)
+    timeout = worker.config.cluster.kv_transfer_timeout_s
+    start = time.perf_counter()
+    async with channel(source.address) as source_channel:
+        stub = prefill_pb2_grpc.PrefillStub(source_channel)
+        try:
+            exported = await stub.ExportBlocks(
+                prefill_pb2.ExportBlocksRequest(
+                    block_hashes=copy.block_hashes[first:last], token_ids=prompt[first * block_size : last * block_size]
+                ),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as e:
+            copy.note = f"{source.instance_id} did not export: {e.code().name}"
+            return
+        try:
+            await _read(worker, copy, exported)
+        finally:
+            await _release(stub, exported.export_id, timeout)
+    copy.seconds = time.perf_counter() - start
+    if copy.num_copied < len(copy.targets):
+        copy.note = f"{source.instance_id} had {copy.num_copied} of {len(copy.targets)} blocks"
+
+
+async def _read(worker: Worker, copy: PrefixCopy, exported: prefill_pb2.ExportBlocksResponse) -> None:
+    pool = worker.engine.kv_pool
+    if exported.bytes_per_block != pool.bytes_per_block:
+        copy.note = f"KV layout mismatch ({exported.bytes_per_block} vs {pool.bytes_per_block} bytes per block)"
+        return
+    n = len(exported.block_addresses)
+    local = [pool.block_address(b) for b in copy.targets[:n]]
+    read = asyncio.ensure_future(
+        asyncio.to_thread(
+            worker.transfer.read_blocks, exported.transfer_endpoint, local, list(exported.block_addresses),
+            pool.bytes_per_block,
+        )
+    )  # fmt: skip
+    try:
+        result = await asyncio.shield(read)
+    except asyncio.CancelledError:  # the blocks being read into may only be freed once the read is over
+        await asyncio.gather(read, return_exceptions=True)
+        raise
+    except RuntimeError as e:
+        copy.note = f"transfer failed: {e}"
+        return
+    copy.num_copied, copy.bytes = n, result.bytes
+
+
+async def _release(stub: prefill_pb2_grpc.PrefillStub, export_id: str, timeout: float) -> None:
+    try:
+        await stub.ReleaseBlocks(prefill_pb2.ReleaseBlocksRequest(export_id=export_id), timeout=timeout)
+    except grpc.aio.AioRpcError as e:  # the exporter's expiry frees them
+        log.warning("could not release export %s: %s", export_id, e.code().name)
+
+
+class Exports:
+    """The exporter's pinned blocks, by export id, with deadlines."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._pinned: dict[str, tuple[list[int], float]] = {}
+
+    async def export(self, request: prefill_pb2.ExportBlocksRequest) -> prefill_pb2.ExportBlocksResponse:
+        """Pin the leading run of the requested blocks still cached here."""
+        hashes, tokens = list(request.block_hashes), list(request.token_ids)
+        if len(tokens) != len(hashes) * self.worker.engine.kv_pool.block_size:
+            raise ValueError("token_ids must hold exactly the requested blocks' tokens")
+        export_id = uuid.uuid4().hex
+
+        async def pin() -> list[int]:  # on the books even if the caller goes away mid-way (then it expires)
+            blocks = await self.worker.loop.call_now(lambda e: e.pin_cached_blocks(hashes, tokens))
+            self._pinned[export_id] = (blocks, time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s)
+            return blocks
+
+        blocks = await asyncio.shield(pin())
+        pool = self.worker.engine.kv_pool
+        return prefill_pb2.ExportBlocksResponse(
+            export_id=export_id,
+            transfer_endpoint=self.worker.transfer.endpoint,
+            block_addresses=[pool.block_address(b) for b in blocks],
+            bytes_per_block=pool.bytes_per_block,
+        )
+
+    async def release(self, export_id: str) -> bool:
+        """Unpin an export; False if unknown (already released or expired)."""
+        entry = self._pinned.pop(export_id, None)
+        if entry is None:
+            return False
+        await self.worker.loop.call_now(lambda e: e.unpin_blocks(entry[0]))
+        return True
+
+    async def expire(self) -> None:
+        """Unpin exports past their deadline (runs for the worker's lifetime)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for export_id in [k for k, (_, deadline) in self._pinned.items() if deadline < now]:
+                log.warning("export %s was never released; unpinning its blocks", export_id)
+                await self.release(export_id)

@@ -1,0 +1,78 @@
+"""A worker process (prefill, decode or colocated): load the engine, profile it, serve, registered in etcd.
+
+Exit status 0 after SIGTERM/SIGINT, ``EXIT_ENGINE_DIED`` when the engine thread died (the worker left
+the cluster at once; its requests resume elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from services.common.cluster_registry import cluster_registry
+from services.common.config import Config
+from services.common.rpc import serve
+from services.worker import colocated, decode, prefill
+from services.worker.worker import Worker, build_worker
+from services.worker.worker_http import WorkerEndpoint
+
+log = logging.getLogger(__name__)
+EXIT_ENGINE_DIED = 3  # a worker whose engine thread died exits with this status
+FAULT_INJECTION_ENV = "KVCONDUCTOR_FAULT_INJECTION"  # "1" enables the test-only fault signals on workers
+
+
+async def run(config: Config, role: str, instance_id: str) -> int:
+    """Serve a prefill, decode or colocated engine worker; the exit status (non-zero if its engine died)."""
+    registry = cluster_registry(config)
+    worker = build_worker(config, role, instance_id, registry)
+    worker.loop.start()
+    background = [asyncio.create_task(worker.refine_cost_models())]
+    endpoint: WorkerEndpoint | None = None  # colocated workers also speak the OpenAI API themselves
+    if role != "decode":  # decode workers do not cache prefixes
+        background.append(asyncio.create_task(worker.heartbeat_kv_events()))
+    if role == "prefill":
+        services, prefiller = prefill.services(worker)
+        background.append(asyncio.create_task(prefiller.exports.expire()))
+    elif role == "decode":
+        services, decoder = decode.services(worker)
+        background.append(asyncio.create_task(decoder.expire_reservations()))
+    else:
+        endpoint = WorkerEndpoint(worker)
+        services = [*colocated.services(worker), *endpoint.services()]
+
+    async def on_stop() -> None:
+        for task in background:
+            task.cancel()
+        if endpoint is not None:
+            endpoint.stop()
+        await worker.close()
+
+    if os.environ.get(FAULT_INJECTION_ENV) == "1":
+        _install_fault_signals(worker)
+    heartbeat_timeout = config.cluster.engine_heartbeat_timeout_s
+    graceful = await serve(
+        services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
+        record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
+        on_bound=endpoint.start if endpoint is not None else None, grace_s=config.cluster.drain_grace_s,
+        live=lambda: worker.loop.heartbeat_age() < heartbeat_timeout, fatal=worker.loop.died,
+    )  # fmt: skip
+    return 0 if graceful else EXIT_ENGINE_DIED
+
+
+def _install_fault_signals(worker: Worker) -> None:
+    """Test-only fault hooks: SIGUSR1 makes the engine thread raise, SIGUSR2 freezes it (again: thaws it)."""
+    loop = asyncio.get_running_loop()
+    frozen = False
+
+    def toggle_freeze() -> None:
+        nonlocal frozen
+        frozen = not frozen
+        worker.loop.inject_fault("freeze" if frozen else "thaw")
+
+    loop.add_signal_handler(signal.SIGUSR1, worker.loop.inject_fault, "raise")
+    loop.add_signal_handler(signal.SIGUSR2, toggle_freeze)
+    log.warning(
+        "fault injection is on (%s=1): SIGUSR1 kills the engine thread, SIGUSR2 freezes it", FAULT_INJECTION_ENV
+    )

@@ -1,0 +1,183 @@
+"""The prefill worker: runs prompts with prefix reuse and writes their KV straight into a decode worker.
+
+Per request::
+
+    [KV copy planned: pull the missing prefix blocks from the best holder, see services/worker/kv_copy.py]
+    -> add_request(prefill_only) -> engine computes the uncached blocks, samples token 0
+    -> transfer engine writes every prompt block (the last, partial one included) into the decode
+       worker's reserved blocks, each chunk's blocks while the next chunk computes (services/worker/kv_stream.py)
+    -> release the blocks (they stay in the prefix cache) -> announce newly stored / evicted blocks to
+       kvmeta -> reply with token 0
+
+The reply comes after the announcement, so a request that follows this one can already be routed to
+the prefix it left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from engine.block_hash import prefix_block_hashes
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common import metrics
+from services.common.rpc import Service
+from services.common.telemetry import tracer
+from services.worker.engine_loop import EngineDied, next_output
+from services.worker.kv_copy import Exports, PrefixCopy, pull_prefix
+from services.worker.kv_stream import KVStreamer
+from services.worker.worker import Worker, sampling_from_proto
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """``Prefill.Prefill``, ``ExportBlocks`` and ``ReleaseBlocks``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.exports = Exports(worker)
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
+        """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""
+        w, rid = self.worker, request.request_id
+        prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+        destination = request.destination
+        self._check_destination(destination, len(prompt))
+        start = time.perf_counter()
+        outputs = w.loop.open(rid)
+        streamer = KVStreamer(w.transfer, w.engine.kv_pool, destination, w.config.cluster.kv_transfer_timeout_s)
+        finished = False
+        try:
+            with tracer.start_as_current_span("prefill.kv_copy") as span:
+                copy = await self._copy_prefix(request, prompt)
+                span.set_attributes(_copy_attributes(request, copy))
+            with tracer.start_as_current_span("prefill.compute") as span:
+                await w.loop.call(lambda e: self._add(e, rid, prompt, params, copy))
+                out = await next_output(outputs)
+                while not out.finished:  # a chunk is done: send its complete blocks while the next computes
+                    streamer.send_upto(out.block_ids, out.num_computed_tokens // w.engine.kv_pool.block_size)
+                    out = await next_output(outputs)
+                finished = True
+                prefill_seconds = time.perf_counter() - start
+                span.set_attributes({"kvconductor.prompt_tokens": len(prompt),
+                                     "kvconductor.cached_tokens": out.num_cached_tokens,
+                                     "kvconductor.computed_tokens": len(prompt) - out.num_cached_tokens})  # fmt: skip
+            with tracer.start_as_current_span("prefill.kv_transfer") as span:
+                streamer.send_upto(out.block_ids, len(destination.block_addresses))
+                await streamer.finish()
+                exposed_seconds = time.perf_counter() - start - prefill_seconds
+                span.set_attributes(streamer.attributes(exposed_seconds))
+        finally:
+            # Shielded: a cancelled caller must not cut the cleanup short and leave blocks held.
+            await asyncio.shield(self._settle(rid, streamer, finished))
+        w.counters.bytes_sent += streamer.bytes
+        w.counters.blocks_sent += streamer.blocks
+        metrics.observe_transfer("send", "sent", streamer.bytes, streamer.seconds)
+        if copy is not None and copy.bytes:
+            metrics.observe_transfer("copy", "copied_in", copy.bytes, copy.seconds)
+        await w.publish_kv_events()
+        return prefill_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0],
+            num_cached_tokens=out.num_cached_tokens,
+            num_computed_tokens=len(prompt) - out.num_cached_tokens,
+            kv_bytes_sent=streamer.bytes,
+            kv_blocks_sent=streamer.blocks,
+            prefill_seconds=prefill_seconds,
+            transfer_seconds=streamer.seconds,
+            transfer_exposed_seconds=exposed_seconds,
+            copied_tokens=copy.num_copied * w.engine.kv_pool.block_size if copy else 0,
+            copy_bytes=copy.bytes if copy else 0,
+            copy_seconds=copy.seconds if copy else 0.0,
+            copy_note=copy.note if copy else "",
+        )
+
+    async def _settle(self, rid: str, streamer: KVStreamer, finished: bool) -> None:
+        """After a prefill: no write may land in the decode worker's blocks after we answer; free the blocks."""
+        w = self.worker
+        await streamer.settle()
+        w.loop.close(rid)
+        if not finished:
+            await w.abort(rid)
+            return
+        with contextlib.suppress(EngineDied):  # without waiting for the engine's next step: the reply waits
+            await w.loop.call_now(lambda e: e.release(rid))
+
+    async def ExportBlocks(  # noqa: N802
+        self, request: prefill_pb2.ExportBlocksRequest, context: Any
+    ) -> prefill_pb2.ExportBlocksResponse:
+        """Pin cached blocks for a peer to read."""
+        return await self.exports.export(request)
+
+    async def ReleaseBlocks(  # noqa: N802
+        self, request: prefill_pb2.ReleaseBlocksRequest, context: Any
+    ) -> prefill_pb2.ReleaseBlocksResponse:
+        """Unpin an export."""
+        return prefill_pb2.ReleaseBlocksResponse(released=await self.exports.release(request.export_id))
+
+    def _check_destination(self, destination: common_pb2.KVBlockTarget, num_prompt_tokens: int) -> None:
+        num_blocks = self.worker.num_kv_blocks(num_prompt_tokens)
+        if len(destination.block_addresses) != num_blocks:
+            raise ValueError(
+                f"destination has {len(destination.block_addresses)} blocks, the prompt needs {num_blocks}"
+            )
+        bytes_per_block = self.worker.engine.kv_pool.bytes_per_block
+        if destination.bytes_per_block != bytes_per_block:
+            raise ValueError(
+                f"KV layout mismatch: destination blocks are {destination.bytes_per_block} bytes, "
+                f"ours {bytes_per_block}"
+            )
+
+    async def _copy_prefix(self, request: prefill_pb2.PrefillRequest, prompt: list[int]) -> PrefixCopy | None:
+        """Pull the planned prefix blocks this worker lacks from the copy source."""
+        if not request.HasField("copy_source") or request.copy_num_blocks == 0:
+            return None
+        w = self.worker
+        block_size = w.engine.kv_pool.block_size
+        num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // block_size)
+        copy = PrefixCopy(prefix_block_hashes(prompt[: num_blocks * block_size], block_size))
+        try:
+            await w.loop.call(lambda e: copy.prepare(e, prompt))  # runs even if we are cancelled meanwhile
+            await pull_prefix(w, copy, prompt, request.copy_source)
+        except BaseException:
+            with contextlib.suppress(EngineDied):
+                await asyncio.shield(w.loop.call(lambda e: copy.abandon(e, prompt)))
+            raise
+        return copy
+
+    @staticmethod
+    def _add(e: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, copy: PrefixCopy | None) -> None:
+        """Engine thread: cache copied blocks, add the request (it hits them), drop the copy's pins."""
+        if copy is None:
+            e.add_request(rid, prompt, params, prefill_only=True)
+            return
+        copy.finish(e, prompt)
+        try:
+            e.add_request(rid, prompt, params, prefill_only=True)
+        finally:
+            copy.unpin_held(e)
+
+
+def _copy_attributes(request: prefill_pb2.PrefillRequest, copy: PrefixCopy | None) -> dict[str, str | int | float]:
+    if copy is None:
+        return {"kvconductor.copy.planned": 0}
+    gbps = copy.bytes / copy.seconds / 1e9 if copy.seconds else 0.0
+    return {
+        "kvconductor.copy.planned": request.copy_num_blocks,
+        "kvconductor.copy.source": request.copy_source.instance_id,
+        "kvconductor.copy.own_blocks": copy.num_own,
+        "kvconductor.copy.copied_blocks": copy.num_copied,
+        "kvconductor.copy.bytes": copy.bytes,
+        "kvconductor.copy.seconds": copy.seconds,
+        "kvconductor.copy.gbps": gbps,
+        "kvconductor.copy.note": copy.note,
+    }
+
+
+def services(worker: Worker) -> tuple[list[Service], PrefillServicer]:
+    """Everything a prefill worker serves (and the servicer, whose expiry task the caller runs)."""
+    servicer = PrefillServicer(worker)
+    prefill = Service("kvconductor.v1.Prefill", servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)
+    return [prefill, *worker.services()], servicer

@@ -1,0 +1,67 @@
+"""The OpenAI API served by a colocated worker itself, as a vLLM or SGLang server does.
+
+Third-party OpenAI routers (the SGLang router, vLLM's router) front workers that speak HTTP. So a
+colocated worker also runs the REST shim (``/health``, ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions``, ``/tokenize``, ``/get_load``) over a Conductor of its own: the same Conductor
+code, with a view that holds only this worker, served on the worker's gRPC server. The shim runs on its
+own thread and event loop; its URL is published in the worker's etcd record as ``openai_url``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import uvicorn
+
+from engine.tokenizer import load_tokenizer
+from services.common.net import free_port
+from services.common.registry import InstanceEvent
+from services.common.rpc import Service
+from services.conductor import conductor
+from services.conductor.cluster_view import ClusterView
+from services.gateway.gateway import create_app
+from services.worker.worker import Worker
+
+
+class WorkerEndpoint:
+    """A one-instance Conductor plus the REST shim in front of it."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.view = ClusterView()
+        self.conductor = conductor.ConductorServicer(worker.config, self.view, load_tokenizer(worker.config.model.path))
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def services(self) -> list[Service]:
+        """The local Conductor, for the worker's gRPC server."""
+        return conductor.services(self.conductor)
+
+    async def start(self, address: str) -> None:
+        """Once the gRPC server is bound: know this worker, and serve the shim on a free port."""
+        self.view.attach(asyncio.get_running_loop())
+        record = self.worker.record(address, self.worker.metrics_address)
+        self.view.on_event(InstanceEvent("put", self.worker.role, self.worker.instance_id, record))
+        config = self.worker.config
+        port = free_port()
+        local = replace(
+            config,
+            cluster=replace(config.cluster, scheduler_endpoint=address),
+            gateway=replace(config.gateway, host=config.cluster.host, port=port),
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(create_app(local), host=config.cluster.host, port=port, log_level="warning")
+        )
+        # On a thread of its own: uvicorn installs signal handlers only on the main thread.
+        self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
+        self._thread.start()
+        self.worker.extra_record["openai_url"] = f"http://{config.cluster.host}:{port}"
+
+    def stop(self) -> None:
+        """Stop the shim."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)

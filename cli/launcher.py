@@ -177,6 +177,14 @@ class Cluster:
                 tail = child.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{child.instance_id} exited with {child.process.returncode}; log tail:\n{tail}")
 
+    def metrics_addresses(self) -> list[tuple[str, str]]:
+        """(instance id, host:port of its /metrics) of every registered gRPC process."""
+        with Registry(
+            self.config.cluster.etcd_endpoints, self.config.cluster.name, auth=etcd_auth(self.config)
+        ) as registry:
+            records = registry.list()
+        return sorted((i, r["metrics_address"]) for (_, i), r in records.items() if r.get("metrics_address"))
+
     def dead_children(self) -> list[Child]:
         """Processes that have exited."""
         return [c for c in self.children if c.process.poll() is not None]
@@ -207,6 +215,11 @@ def banner(cluster: Cluster) -> str:
         f"  REST (OpenAI-compatible): {cluster.base_url}",
         f"  gRPC Conductor:           {c.cluster.scheduler_endpoint}",
         f"  etcd:                     {', '.join(c.cluster.etcd_endpoints)}",
+        f"  metrics (Prometheus):     {cluster.base_url.removesuffix('/v1')}/metrics (gateway)",
+        *(
+            f"                            http://{address}/metrics ({instance_id})"
+            for instance_id, address in cluster.metrics_addresses()
+        ),
         "Try:",
         f"  curl -N {cluster.base_url}/chat/completions -H 'Content-Type: application/json' \\",
         f'    -d \'{{"model": "{c.model.name}", "messages": [{{"role": "user", "content": "Hello"}}], '

@@ -73,6 +73,10 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
             f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors
         )
         print(f"  cost-model median relative error: {errors}")
+    metrics = ", ".join(
+        f"{i.instance_id} http://{json.loads(i.record_json).get('metrics_address')}/metrics" for i in status.instances
+    )
+    print(f"metrics: {metrics}")
     overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
     print(f"learned TTFT overhead: {overheads}")
     return 0

@@ -189,6 +189,11 @@ class LLMEngine:
             request.num_computed_tokens = len(prompt_token_ids)
             return self.scheduler.add_running(request, first_token_id)
 
+    def reset_prefix_cache_stats(self) -> None:
+        """Zero the prefix-cache hit counters (e.g. after a start-up profile, which is not traffic)."""
+        with self._lock:
+            self.block_manager.num_hit_tokens = self.block_manager.num_miss_tokens = 0
+
     def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """Return and clear the (stored, removed) block hashes since the last call."""
         with self._lock:

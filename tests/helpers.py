@@ -117,10 +117,11 @@ def run_load(cluster, prompts, threads=3, max_tokens=MAX_TOKENS):
         return list(pool.map(one, prompts))
 
 
-def spawn(cluster, role, instance_id, log_dir):
+def spawn(cluster, role, instance_id, log_dir, extra_args=()):
     """Start one more process of the cluster (`kvconductor serve`), logging to log_dir/<id>.log."""
     log = (Path(log_dir) / f"{instance_id}.log").open("wb")
-    args = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *cluster.manifest["serve_args"]]
+    args = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *cluster.manifest["serve_args"],
+            *extra_args]  # fmt: skip
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
 
 

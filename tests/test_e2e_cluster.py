@@ -56,6 +56,8 @@ def test_streaming_chat_completion_with_the_openai_client(cluster):
     assert finishes[-1] == "length"
     assert chunks[-1].usage.completion_tokens == 8
     assert chunks[-1].usage.prompt_tokens > 3
+    explained = _cli(cluster, "explain", chunks[0].id)  # the response's id names the request too
+    assert explained.returncode == 0 and chunks[0].id.removeprefix("chatcmpl-") in explained.stdout
 
 
 def test_disaggregated_output_equals_in_process_and_colocated(cluster, prompts, reference):
@@ -228,7 +230,8 @@ def test_explain_and_status_commands(cluster):
     for instance in ("prefill-0", "prefill-1", "decode-0", "colocated-0"):
         assert instance in status.stdout
     assert "cost-model median relative error: ttft" in status.stdout
-    assert "recent TTFT" in status.stdout and "ok" in status.stdout
+    assert "requests finished in the last 300 s" in status.stdout and "TTFT (n=" in status.stdout
+    assert "ok" in status.stdout and "learned TTFT overhead" in status.stdout
 
 
 def test_long_prompt_streams_its_kv_during_prefill(cluster, model_dir):
@@ -310,3 +313,38 @@ def test_async_openai_client_streaming_and_not(cluster):
     whole, streamed = asyncio.run(both())
     assert whole.usage.completion_tokens == 5 and whole.choices[0].finish_reason == "length"
     assert whole.choices[0].message.content == streamed  # greedy: the same text either way
+
+
+def test_gateway_health_is_ready_only_once_a_worker_can_serve(cluster, tmp_path):
+    """A Conductor and a gateway of a second, empty cluster on the same etcd: 503 until a worker joins."""
+    from services.common.net import free_port
+
+    conductor = f"127.0.0.1:{free_port()}"
+    gateway_port = free_port()
+    extra = ["--set", 'cluster.name="empty"', "--set", f'cluster.scheduler_endpoint="{conductor}"',
+             "--set", f"gateway.port={gateway_port}"]  # fmt: skip
+    processes = [helpers.spawn(cluster, role, f"{role}-0", tmp_path, extra) for role in ("conductor", "gateway")]
+    try:
+        url = f"http://127.0.0.1:{gateway_port}/health"
+
+        def status():
+            try:
+                return httpx.get(url, timeout=5).status_code
+            except httpx.HTTPError:
+                return None
+
+        deadline = time.monotonic() + 60
+        while status() is None:  # the gateway starts
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1.0)  # several of the Conductor's liveness polls
+        assert status() == 503  # both up, no worker: not ready
+        processes.append(helpers.spawn(cluster, "colocated", "colocated-0", tmp_path, extra))
+        deadline = time.monotonic() + 120
+        while status() != 200:
+            assert time.monotonic() < deadline, "the gateway never became ready after a worker joined"
+            time.sleep(0.2)
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)

@@ -44,6 +44,7 @@ async def _one(client, prompt):
         )
         arrivals = [time.monotonic() async for chunk in stream if chunk.choices and chunk.choices[0].text]
     except openai.RateLimitError as e:
+        assert e.response.headers.get("x-should-retry") == "false"  # SDKs must not retry an SLO rejection
         return ("rejected", str(e))
     return ("accepted", arrivals[0] - start, arrivals)
 

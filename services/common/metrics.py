@@ -8,15 +8,12 @@ gateway serves it beside the REST API.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
-
-if TYPE_CHECKING:  # the Conductor, kvmeta and the gateway must not import torch
-    from engine.llm_engine import LLMEngine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -68,16 +65,33 @@ def observe_transfer(kind: str, direction: str, num_bytes: int, seconds: float) 
         KV_GBPS.labels(kind).observe(num_bytes / seconds / 1e9)
 
 
+class EngineSnapshot(Protocol):
+    """An engine's load as the collector reads it (a worker's ``EngineLoad``)."""
+
+    @property
+    def num_waiting(self) -> int: ...  # noqa: D102
+    @property
+    def num_running(self) -> int: ...  # noqa: D102
+    @property
+    def num_free_blocks(self) -> int: ...  # noqa: D102
+    @property
+    def num_total_blocks(self) -> int: ...  # noqa: D102
+    @property
+    def prefix_cache_query_tokens(self) -> int: ...  # noqa: D102
+    @property
+    def prefix_cache_hit_tokens(self) -> int: ...  # noqa: D102
+
+
 class EngineCollector(Collector):
     """The engine's load and prefix-cache counters, read at scrape time."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         """One snapshot."""
-        stats = self.engine.stats()
-        free, total = self.engine.num_free_blocks, self.engine.kv_pool.num_blocks
+        stats = self.snapshot()
+        free, total = stats.num_free_blocks, stats.num_total_blocks
         queue = GaugeMetricFamily("kvconductor_queue_length", "Requests in the engine by state", labels=["state"])
         queue.add_metric(["waiting"], stats.num_waiting)
         queue.add_metric(["running"], stats.num_running)
@@ -97,6 +111,6 @@ def serve_metrics(host: str, port: int) -> str:
     return f"{host}:{server.server_port}"
 
 
-def register_engine(engine: LLMEngine) -> None:
-    """Expose an engine's live load."""
-    REGISTRY.register(EngineCollector(engine))
+def register_engine(snapshot: Callable[[], EngineSnapshot]) -> None:
+    """Expose an engine's live load (``snapshot`` is called from the scrape thread)."""
+    REGISTRY.register(EngineCollector(snapshot))

@@ -299,7 +299,7 @@ async def serve(
     watch = asyncio.ensure_future(status.follow(live)) if live is not None else None
     graceful = True
     try:
-        await status.set(True)
+        await status.set(live() if live is not None else True)
         metrics_address = serve_metrics(host, metrics_port) if metrics_port is not None else ""
         if on_bound is not None:
             await on_bound(address)

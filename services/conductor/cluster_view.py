@@ -215,6 +215,10 @@ class ClusterView:
         """Avoid an instance that just failed a request until its lease would have expired, had it died."""
         self._quarantine[instance_id] = time.monotonic() + seconds
 
+    def can_serve(self) -> bool:
+        """Whether some request could be scheduled now: prefill and decode instances, or a colocated one."""
+        return bool(self.pool("colocated")) or (bool(self.pool("prefill")) and bool(self.pool("decode")))
+
     def max_model_len(self) -> int:
         """The smallest context length any worker serves (0 when there is none)."""
         lengths = [int(v.record["max_model_len"]) for v in self.instances.values()]

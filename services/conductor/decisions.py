@@ -72,6 +72,9 @@ def decision_attributes(decision: conductor_pb2.Decision | None) -> dict[str, st
     return attributes
 
 
+RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")  # the gateway's response id is one of these + the request id
+
+
 class DecisionLog:
     """The last ``capacity`` decisions, by request id."""
 
@@ -87,5 +90,9 @@ class DecisionLog:
             self._decisions.popitem(last=False)
 
     def get(self, request_id: str) -> conductor_pb2.Decision | None:
-        """The decision for a request id, if still remembered."""
-        return self._decisions.get(request_id)
+        """The decision for a request id, or for the id of its OpenAI response, if still remembered."""
+        decision = self._decisions.get(request_id)
+        for prefix in RESPONSE_ID_PREFIXES:
+            if decision is None and request_id.startswith(prefix):
+                decision = self._decisions.get(request_id.removeprefix(prefix))
+        return decision

@@ -3,7 +3,8 @@
 It validates the body, renders chat messages with the model's chat template, and calls the
 Conductor's ``Generate`` over gRPC; tokens come back as SSE chunks (``stream``) or one JSON body.
 gRPC status codes become OpenAI-shaped errors: INVALID_ARGUMENT 400, NOT_FOUND 404,
-RESOURCE_EXHAUSTED 429 (SLO rejection, with the Conductor's reason), UNAVAILABLE 503. A client that
+RESOURCE_EXHAUSTED 429 (SLO rejection, with the Conductor's reason and ``x-should-retry: false``, so OpenAI
+SDKs do not retry it on their own), UNAVAILABLE 503. A client that
 disconnects cancels the gRPC call, and with it the work on the workers.
 """
 
@@ -50,13 +51,20 @@ log = logging.getLogger(__name__)
 ROUTES = ("/health", "/metrics", "/tokenize", "/get_load", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
-def _error(status: int, message: str, param: str | None = None, request_id: str = "") -> JSONResponse:
-    headers = {"x-request-id": request_id} if request_id else None
+def _error(
+    status: int, message: str, param: str | None = None, request_id: str = "", retry: bool = True
+) -> JSONResponse:
+    headers = {"x-request-id": request_id} if request_id else {}
+    if not retry:
+        headers["x-should-retry"] = "false"  # OpenAI SDKs otherwise retry a 429 twice, with backoff
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _grpc_error(e: grpc.aio.AioRpcError, request_id: str) -> JSONResponse:
-    return _error(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name, request_id=request_id)
+    # An SLO rejection is the Conductor's considered answer for the current load: an SDK's automatic
+    # retries would add load at the worst moment. The client decides whether to try again.
+    retry = e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+    return _error(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name, request_id=request_id, retry=retry)
 
 
 class Gateway:
@@ -206,7 +214,7 @@ async def prometheus_metrics() -> Response:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the Conductor answers its health check."""
+    """200 when the Conductor is SERVING: it answers and has workers that can serve a request."""
     try:
         stub = health_pb2_grpc.HealthStub(_gateway(request).channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)

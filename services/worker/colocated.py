@@ -6,13 +6,13 @@ the decode steps of everyone else: the interference that disaggregation removes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 from kvconductor.v1 import colocated_pb2, colocated_pb2_grpc, decode_pb2
 from services.common.rpc import Service
 from services.worker.decode import token_chunk
-from services.worker.engine_loop import next_output
 from services.worker.worker import Worker, sampling_from_proto
 
 
@@ -28,23 +28,14 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
         """Prefill and decode one request, streaming tokens (cached prompt tokens on the first chunk)."""
         w, rid = self.worker, request.request_id
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
-        outputs = w.loop.open(rid)
-        finished = False
         first = True
-        try:
-            await w.loop.call(lambda e: e.add_request(rid, prompt, params))
-            while not finished:
-                out = await next_output(outputs)
-                finished = out.finished
-                if out.new_token_ids or finished:
+        async with contextlib.aclosing(w.engine.generate(rid, prompt, params)) as outputs:
+            async for out in outputs:
+                if out.new_token_ids or out.finished:
                     yield token_chunk(list(out.new_token_ids), out.finish_reason, out.num_cached_tokens if first else 0)
                 if first:  # the prompt's blocks are cached now: let the Conductor see them
                     await w.publish_kv_events()
                     first = False
-        finally:
-            w.loop.close(rid)
-            if not finished:
-                await w.abort(rid)
 
 
 def services(worker: Worker) -> list[Service]:

@@ -15,7 +15,7 @@ prefill that died mid-way cannot pin decode memory.
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,11 +24,9 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from engine.llm_engine import LLMEngine
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common import metrics
 from services.common.rpc import RpcError, Service
-from services.worker.engine_loop import next_output
 from services.worker.worker import FINISH_REASONS, Worker, sampling_from_proto
 
 log = logging.getLogger(__name__)
@@ -64,24 +62,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
 
-        async def reserve() -> tuple[list[int] | None, int]:
-            blocks, free = await w.loop.call_now(
-                lambda e: (e.reserve(rid, request.num_prompt_tokens, params), e.num_free_blocks)
-            )
+        async def reserve() -> list[int] | None:
+            blocks = await w.engine.reserve(rid, request.num_prompt_tokens, params)
             if blocks is not None and rid not in self.reservations:  # released while we allocated
-                await w.loop.call_now(lambda e: e.abort(rid))
-            return blocks, free
+                await w.engine.abort(rid)
+            return blocks
 
-        blocks, free = await asyncio.shield(reserve())
+        blocks = await asyncio.shield(reserve())
+        free = (await w.engine.load()).num_free_blocks
         if blocks is None:
             self.reservations.pop(rid, None)
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
-        pool = w.engine.kv_pool
+        layout = w.engine.layout
         prompt_blocks = blocks[: w.num_kv_blocks(request.num_prompt_tokens)]
         target = common_pb2.KVBlockTarget(
             transfer_endpoint=w.transfer.endpoint,
-            block_addresses=[pool.block_address(b) for b in prompt_blocks],
-            bytes_per_block=pool.bytes_per_block,
+            block_addresses=[layout.block_address(b) for b in prompt_blocks],
+            bytes_per_block=layout.bytes_per_block,
         )
         return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
 
@@ -93,35 +90,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
         num_blocks = w.num_kv_blocks(len(prompt))
         w.counters.blocks_received += num_blocks
-        w.counters.bytes_received += num_blocks * w.engine.kv_pool.bytes_per_block
-        metrics.KV_BYTES.labels("received").inc(num_blocks * w.engine.kv_pool.bytes_per_block)
+        w.counters.bytes_received += num_blocks * w.engine.layout.bytes_per_block
+        metrics.KV_BYTES.labels("received").inc(num_blocks * w.engine.layout.bytes_per_block)
         span = trace.get_current_span()
         gaps: list[float] = []
-        last = time.monotonic()
-        outputs = w.loop.open(rid)
-        finished = False
+        last: float | None = None
         try:
-            first = await w.loop.call(lambda e: e.add_prefilled_request(rid, prompt, request.first_token_id, params))
-            if first is not None:  # token 0 ended it; the Conductor already has token 0 from the prefill worker
-                finished = True
-                yield token_chunk([], first.finish_reason)
-                return
-            out = await next_output(outputs)
-            while True:
-                finished = out.finished
-                if out.new_token_ids or finished:
-                    yield token_chunk(list(out.new_token_ids), out.finish_reason)
-                if finished:
-                    return
-                out = await next_output(outputs)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
+            decoding = w.engine.decode(rid, prompt, request.first_token_id, params)
+            async with contextlib.aclosing(decoding) as outputs:
+                async for out in outputs:
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    if out.new_token_ids or out.finished:
+                        yield token_chunk(list(out.new_token_ids), out.finish_reason)
         finally:
-            w.loop.close(rid)
             span.set_attributes(_tbt_attributes(gaps))
-            if not finished:
-                await w.abort(rid)
 
     async def Release(self, request: decode_pb2.ReleaseRequest, context: Any) -> decode_pb2.ReleaseResponse:  # noqa: N802
         """Free a reservation that will not be decoded."""
@@ -129,7 +114,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.reservations.pop(rid, None) is None:  # not come yet (a cancelled Reserve may still arrive)
             self.released[rid] = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
             return decode_pb2.ReleaseResponse(released=False)
-        await self.worker.loop.call_now(lambda e: e.abort(rid))  # reserved, never in a batch
+        await self.worker.engine.abort(rid)  # reserved, never in a batch
         return decode_pb2.ReleaseResponse(released=True)
 
     async def expire_reservations(self) -> None:
@@ -142,7 +127,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             for rid in [rid for rid, deadline in self.reservations.items() if deadline < now]:
                 log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
                 del self.reservations[rid]
-                await self.worker.loop.call(functools.partial(LLMEngine.abort, request_id=rid))
+                await self.worker.engine.abort(rid)
 
 
 def _tbt_attributes(gaps: list[float]) -> dict[str, float | int]:

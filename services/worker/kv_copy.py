@@ -21,13 +21,14 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
-from engine.llm_engine import LLMEngine
 from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.rpc import channel
+from services.common.tasks import complete
+from services.worker.engine_port import EnginePort, ImportedBlocks
 from services.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -35,12 +36,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PrefixCopy:
-    """A copy in progress on the puller: what it holds and what arrived."""
+    """A copy in progress on the puller: the blocks it holds and fills (``imported``) and how it went."""
 
-    block_hashes: list[bytes]  # hashes of the prompt's first copy_num_blocks blocks
-    held: list[int] = field(default_factory=list)  # own leading blocks, pinned
-    targets: list[int] = field(default_factory=list)  # allocated for the missing blocks
-    num_copied: int = 0  # leading targets filled from the exporter
+    imported: ImportedBlocks
     bytes: int = 0
     seconds: float = 0.0
     note: str = ""
@@ -48,44 +46,34 @@ class PrefixCopy:
     @property
     def num_own(self) -> int:
         """Leading blocks the puller held already."""
-        return len(self.held)
+        return len(self.imported.held)
 
-    def prepare(self, engine: LLMEngine, prompt: list[int]) -> None:
-        """Engine thread: pin own leading blocks and allocate the missing ones."""
-        self.held = engine.pin_cached_blocks(self.block_hashes, prompt)
-        missing = len(self.block_hashes) - len(self.held)
-        targets = engine.allocate_blocks(missing) if missing else []
-        if targets is None:
-            self.note = f"no room for {missing} copied blocks"
-        self.targets = targets or []
+    @property
+    def num_copied(self) -> int:
+        """Leading targets filled from the exporter."""
+        return self.imported.num_copied
 
-    def finish(self, engine: LLMEngine, prompt: list[int]) -> None:
-        """Engine thread: cache the copied blocks and give back the rest (call before add_request)."""
-        block_size = engine.kv_pool.block_size
-        first, last = self.num_own, self.num_own + self.num_copied
-        copied = self.targets[: self.num_copied]
-        if copied:
-            engine.commit_imported_blocks(
-                copied, self.block_hashes[first:last], prompt[first * block_size : last * block_size]
-            )
-        engine.unpin_blocks(self.targets[self.num_copied :])
+    async def prepare(self, engine: EnginePort) -> None:
+        """Pin own leading blocks and allocate the missing ones (to the end, even if the caller is cancelled)."""
 
-    def unpin_held(self, engine: LLMEngine) -> None:
-        """Engine thread: drop the pins on own blocks (after add_request took its own references)."""
-        engine.unpin_blocks(self.held)
+        async def prepare() -> None:
+            imported = self.imported
+            imported.held = await engine.pin_cached_blocks(imported.block_hashes, imported.token_ids)
+            missing = len(imported.block_hashes) - len(imported.held)
+            targets = await engine.allocate_blocks(missing) if missing else []
+            if targets is None:
+                self.note = f"no room for {missing} copied blocks"
+            imported.targets = targets or []
 
-    def abandon(self, engine: LLMEngine, prompt: list[int]) -> None:
-        """Engine thread: give everything back when the request will not run."""
-        self.finish(engine, prompt)
-        self.unpin_held(engine)
+        await complete(prepare())
 
 
 async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], source: prefill_pb2.KVSource) -> None:
     """Read the blocks ``copy`` lacks from ``source``; records what arrived (never raises on a failed copy)."""
-    if not copy.targets:
+    if not copy.imported.targets:
         return
-    block_size = worker.engine.kv_pool.block_size
-    first, last = copy.num_own, copy.num_own + len(copy.targets)
+    block_size = worker.engine.layout.block_size
+    first, last = copy.num_own, copy.num_own + len(copy.imported.targets)
     timeout = worker.config.cluster.kv_transfer_timeout_s
     start = time.perf_counter()
     async with channel(source.address) as source_channel:
@@ -93,7 +81,8 @@ async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], sourc
         try:
             exported = await stub.ExportBlocks(
                 prefill_pb2.ExportBlocksRequest(
-                    block_hashes=copy.block_hashes[first:last], token_ids=prompt[first * block_size : last * block_size]
+                    block_hashes=copy.imported.block_hashes[first:last],
+                    token_ids=prompt[first * block_size : last * block_size],
                 ),
                 timeout=timeout,
             )
@@ -105,32 +94,27 @@ async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], sourc
         finally:
             await _release(stub, exported.export_id, timeout)
     copy.seconds = time.perf_counter() - start
-    if copy.num_copied < len(copy.targets):
-        copy.note = f"{source.instance_id} had {copy.num_copied} of {len(copy.targets)} blocks"
+    if copy.num_copied < len(copy.imported.targets):
+        copy.note = f"{source.instance_id} had {copy.num_copied} of {len(copy.imported.targets)} blocks"
 
 
 async def _read(worker: Worker, copy: PrefixCopy, exported: prefill_pb2.ExportBlocksResponse) -> None:
-    pool = worker.engine.kv_pool
-    if exported.bytes_per_block != pool.bytes_per_block:
-        copy.note = f"KV layout mismatch ({exported.bytes_per_block} vs {pool.bytes_per_block} bytes per block)"
+    layout = worker.engine.layout
+    if exported.bytes_per_block != layout.bytes_per_block:
+        copy.note = f"KV layout mismatch ({exported.bytes_per_block} vs {layout.bytes_per_block} bytes per block)"
         return
     n = len(exported.block_addresses)
-    local = [pool.block_address(b) for b in copy.targets[:n]]
-    read = asyncio.ensure_future(
-        asyncio.to_thread(
-            worker.transfer.read_blocks, exported.transfer_endpoint, local, list(exported.block_addresses),
-            pool.bytes_per_block,
-        )
+    local = [layout.block_address(b) for b in copy.imported.targets[:n]]
+    read = asyncio.to_thread(
+        worker.transfer.read_blocks, exported.transfer_endpoint, local, list(exported.block_addresses),
+        layout.bytes_per_block,
     )  # fmt: skip
     try:
-        result = await asyncio.shield(read)
-    except asyncio.CancelledError:  # the blocks being read into may only be freed once the read is over
-        await asyncio.gather(read, return_exceptions=True)
-        raise
+        result = await complete(read)  # the blocks being read into may only be freed once the read is over
     except RuntimeError as e:
         copy.note = f"transfer failed: {e}"
         return
-    copy.num_copied, copy.bytes = n, result.bytes
+    copy.imported.num_copied, copy.bytes = n, result.bytes
 
 
 async def _release(stub: prefill_pb2_grpc.PrefillStub, export_id: str, timeout: float) -> None:
@@ -150,22 +134,23 @@ class Exports:
     async def export(self, request: prefill_pb2.ExportBlocksRequest) -> prefill_pb2.ExportBlocksResponse:
         """Pin the leading run of the requested blocks still cached here."""
         hashes, tokens = list(request.block_hashes), list(request.token_ids)
-        if len(tokens) != len(hashes) * self.worker.engine.kv_pool.block_size:
+        if len(tokens) != len(hashes) * self.worker.engine.layout.block_size:
             raise ValueError("token_ids must hold exactly the requested blocks' tokens")
         export_id = uuid.uuid4().hex
+        engine = self.worker.engine
 
         async def pin() -> list[int]:  # on the books even if the caller goes away mid-way (then it expires)
-            blocks = await self.worker.loop.call_now(lambda e: e.pin_cached_blocks(hashes, tokens))
+            blocks = await engine.pin_cached_blocks(hashes, tokens)
             self._pinned[export_id] = (blocks, time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s)
             return blocks
 
-        blocks = await asyncio.shield(pin())
-        pool = self.worker.engine.kv_pool
+        blocks = await complete(pin())
+        layout = engine.layout
         return prefill_pb2.ExportBlocksResponse(
             export_id=export_id,
             transfer_endpoint=self.worker.transfer.endpoint,
-            block_addresses=[pool.block_address(b) for b in blocks],
-            bytes_per_block=pool.bytes_per_block,
+            block_addresses=[layout.block_address(b) for b in blocks],
+            bytes_per_block=layout.bytes_per_block,
         )
 
     async def release(self, export_id: str) -> bool:
@@ -173,7 +158,7 @@ class Exports:
         entry = self._pinned.pop(export_id, None)
         if entry is None:
             return False
-        await self.worker.loop.call_now(lambda e: e.unpin_blocks(entry[0]))
+        await self.worker.engine.unpin_blocks(entry[0])
         return True
 
     async def expire(self) -> None:

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from engine.kv_pool import KVPool
 from kvconductor.v1 import common_pb2
 from services.common.rpc import KV_TRANSFER_FAILED, RpcError
+from services.worker.engine_port import KVLayout
 from services.worker.transfer import KVTransferEngine, TransferError
 
 
@@ -31,7 +31,7 @@ class KVStreamer:
     """Sends a request's prompt blocks into a destination as they become final."""
 
     def __init__(
-        self, transfer: KVTransferEngine, pool: KVPool, destination: common_pb2.KVBlockTarget, timeout_s: float
+        self, transfer: KVTransferEngine, pool: KVLayout, destination: common_pb2.KVBlockTarget, timeout_s: float
     ) -> None:
         self.transfer = transfer
         self.timeout_s = timeout_s

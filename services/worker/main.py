@@ -27,7 +27,7 @@ async def run(config: Config, role: str, instance_id: str) -> int:
     """Serve a prefill, decode or colocated engine worker; the exit status (non-zero if its engine died)."""
     registry = cluster_registry(config)
     worker = build_worker(config, role, instance_id, registry)
-    worker.loop.start()
+    worker.engine.start()
     background = [asyncio.create_task(worker.refine_cost_models())]
     endpoint: WorkerEndpoint | None = None  # colocated workers also speak the OpenAI API themselves
     if role != "decode":  # decode workers do not cache prefixes
@@ -56,7 +56,7 @@ async def run(config: Config, role: str, instance_id: str) -> int:
         services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
         record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
         on_bound=endpoint.start if endpoint is not None else None, grace_s=config.cluster.drain_grace_s,
-        live=lambda: worker.loop.heartbeat_age() < heartbeat_timeout, fatal=worker.loop.died,
+        live=lambda: worker.engine.heartbeat()[1] < heartbeat_timeout, fatal=worker.engine.died,
     )  # fmt: skip
     return 0 if graceful else EXIT_ENGINE_DIED
 
@@ -69,9 +69,9 @@ def _install_fault_signals(worker: Worker) -> None:
     def toggle_freeze() -> None:
         nonlocal frozen
         frozen = not frozen
-        worker.loop.inject_fault("freeze" if frozen else "thaw")
+        worker.engine.inject_fault("freeze" if frozen else "thaw")
 
-    loop.add_signal_handler(signal.SIGUSR1, worker.loop.inject_fault, "raise")
+    loop.add_signal_handler(signal.SIGUSR1, worker.engine.inject_fault, "raise")
     loop.add_signal_handler(signal.SIGUSR2, toggle_freeze)
     log.warning(
         "fault injection is on (%s=1): SIGUSR1 kills the engine thread, SIGUSR2 freezes it", FAULT_INJECTION_ENV

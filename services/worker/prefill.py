@@ -21,13 +21,11 @@ import time
 from typing import Any
 
 from engine.block_hash import prefix_block_hashes
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import metrics
 from services.common.rpc import Service
 from services.common.telemetry import tracer
-from services.worker.engine_loop import EngineDied, next_output
+from services.worker.engine_port import ImportedBlocks
 from services.worker.kv_copy import Exports, PrefixCopy, pull_prefix
 from services.worker.kv_stream import KVStreamer
 from services.worker.worker import Worker, sampling_from_proto
@@ -47,20 +45,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         destination = request.destination
         self._check_destination(destination, len(prompt))
         start = time.perf_counter()
-        outputs = w.loop.open(rid)
-        streamer = KVStreamer(w.transfer, w.engine.kv_pool, destination, w.config.cluster.kv_transfer_timeout_s)
+        layout = w.engine.layout
+        streamer = KVStreamer(w.transfer, layout, destination, w.config.cluster.kv_transfer_timeout_s)
         finished = False
         try:
             with tracer.start_as_current_span("prefill.kv_copy") as span:
                 copy = await self._copy_prefix(request, prompt)
                 span.set_attributes(_copy_attributes(request, copy))
             with tracer.start_as_current_span("prefill.compute") as span:
-                await w.loop.call(lambda e: self._add(e, rid, prompt, params, copy))
-                out = await next_output(outputs)
-                while not out.finished:  # a chunk is done: send its complete blocks while the next computes
-                    streamer.send_upto(out.block_ids, out.num_computed_tokens // w.engine.kv_pool.block_size)
-                    out = await next_output(outputs)
-                finished = True
+                imported = copy.imported if copy is not None else None
+                computing = w.engine.generate(rid, prompt, params, prefill_only=True, imported=imported)
+                async with contextlib.aclosing(computing) as outputs:
+                    async for out in outputs:
+                        if not out.finished:  # a chunk is done: send its complete blocks while the next computes
+                            streamer.send_upto(out.block_ids, out.num_computed_tokens // layout.block_size)
+                finished = out.finished
                 prefill_seconds = time.perf_counter() - start
                 span.set_attributes({"kvconductor.prompt_tokens": len(prompt),
                                      "kvconductor.cached_tokens": out.num_cached_tokens,
@@ -88,7 +87,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prefill_seconds=prefill_seconds,
             transfer_seconds=streamer.seconds,
             transfer_exposed_seconds=exposed_seconds,
-            copied_tokens=copy.num_copied * w.engine.kv_pool.block_size if copy else 0,
+            copied_tokens=copy.num_copied * w.engine.layout.block_size if copy else 0,
             copy_bytes=copy.bytes if copy else 0,
             copy_seconds=copy.seconds if copy else 0.0,
             copy_note=copy.note if copy else "",
@@ -96,14 +95,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _settle(self, rid: str, streamer: KVStreamer, finished: bool) -> None:
         """After a prefill: no write may land in the decode worker's blocks after we answer; free the blocks."""
-        w = self.worker
         await streamer.settle()
-        w.loop.close(rid)
-        if not finished:
-            await w.abort(rid)
-            return
-        with contextlib.suppress(EngineDied):  # without waiting for the engine's next step: the reply waits
-            await w.loop.call_now(lambda e: e.release(rid))
+        if finished:  # the KV reached decode (or never will): the blocks stay in the prefix cache
+            await self.worker.engine.release(rid)
+        else:
+            await self.worker.engine.abort(rid)
 
     async def ExportBlocks(  # noqa: N802
         self, request: prefill_pb2.ExportBlocksRequest, context: Any
@@ -123,7 +119,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise ValueError(
                 f"destination has {len(destination.block_addresses)} blocks, the prompt needs {num_blocks}"
             )
-        bytes_per_block = self.worker.engine.kv_pool.bytes_per_block
+        bytes_per_block = self.worker.engine.layout.bytes_per_block
         if destination.bytes_per_block != bytes_per_block:
             raise ValueError(
                 f"KV layout mismatch: destination blocks are {destination.bytes_per_block} bytes, "
@@ -135,29 +131,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if not request.HasField("copy_source") or request.copy_num_blocks == 0:
             return None
         w = self.worker
-        block_size = w.engine.kv_pool.block_size
+        block_size = w.engine.layout.block_size
         num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // block_size)
-        copy = PrefixCopy(prefix_block_hashes(prompt[: num_blocks * block_size], block_size))
+        copy = PrefixCopy(ImportedBlocks(prefix_block_hashes(prompt[: num_blocks * block_size], block_size), prompt))
         try:
-            await w.loop.call(lambda e: copy.prepare(e, prompt))  # runs even if we are cancelled meanwhile
+            await copy.prepare(w.engine)
             await pull_prefix(w, copy, prompt, request.copy_source)
         except BaseException:
-            with contextlib.suppress(EngineDied):
-                await asyncio.shield(w.loop.call(lambda e: copy.abandon(e, prompt)))
+            await w.engine.abandon_import(copy.imported)
             raise
         return copy
-
-    @staticmethod
-    def _add(e: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, copy: PrefixCopy | None) -> None:
-        """Engine thread: cache copied blocks, add the request (it hits them), drop the copy's pins."""
-        if copy is None:
-            e.add_request(rid, prompt, params, prefill_only=True)
-            return
-        copy.finish(e, prompt)
-        try:
-            e.add_request(rid, prompt, params, prefill_only=True)
-        finally:
-            copy.unpin_held(e)
 
 
 def _copy_attributes(request: prefill_pb2.PrefillRequest, copy: PrefixCopy | None) -> dict[str, str | int | float]:

@@ -8,27 +8,23 @@ Transfer Engine, measures its own cost models, and then serves its role's RPCs p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.common.config import Config, WorkerConfig
-from services.common.metrics import register_engine
 from services.common.registry import Registry
 from services.common.rpc import Service
+from services.worker import builtin_engine
 from services.worker.cost_refiner import CostRefiner
-from services.worker.engine_loop import EngineDied, EngineLoop
+from services.worker.engine_port import EnginePort
 from services.worker.kv_events import KvEventPublisher
-from services.worker.profiler import profile_engine
 from services.worker.transfer import KVTransferEngine
 
 log = logging.getLogger(__name__)
@@ -52,7 +48,7 @@ class Worker:
     instance_id: str
     config: Config
     pool_config: WorkerConfig
-    loop: EngineLoop
+    engine: EnginePort
     transfer: KVTransferEngine
     registry: Registry
     events: KvEventPublisher
@@ -65,19 +61,14 @@ class Worker:
     metrics_address: str = ""
     extra_record: dict[str, Any] = field(default_factory=dict)  # e.g. the colocated worker's openai_url
 
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine (touch only from the engine thread, through ``loop.call``)."""
-        return self.loop.engine
-
     def num_kv_blocks(self, num_tokens: int) -> int:
         """KV blocks holding ``num_tokens`` tokens (the last one may be partial)."""
-        return math.ceil(num_tokens / self.engine.kv_pool.block_size)
+        return self.engine.layout.num_blocks_for(num_tokens)
 
     def record(self, address: str, metrics_address: str) -> dict[str, Any]:
         """The etcd record describing this instance."""
         self.address, self.metrics_address = address, metrics_address
-        pool, model = self.engine.kv_pool, self.engine.config
+        layout = self.engine.layout
         profile_prefill, profile_decode = self.refiner.profile_models()
         return {
             "role": self.role,
@@ -86,17 +77,17 @@ class Worker:
             "metrics_address": metrics_address,
             "transfer_endpoint": self.transfer.endpoint,
             "model": self.config.model.name,
-            "block_size": pool.block_size,
+            "block_size": layout.block_size,
             "kv_layout": {
-                "num_layers": model.num_layers,
-                "num_kv_heads": model.num_kv_heads,
-                "head_dim": model.head_dim,
-                "dtype": str(pool.data.dtype).removeprefix("torch."),
-                "bytes_per_block": pool.bytes_per_block,
+                "num_layers": layout.num_layers,
+                "num_kv_heads": layout.num_kv_heads,
+                "head_dim": layout.head_dim,
+                "dtype": layout.dtype,
+                "bytes_per_block": layout.bytes_per_block,
             },
-            "num_blocks": pool.num_blocks,
-            "max_model_len": model.max_model_len,
-            "vocab_size": model.vocab_size,
+            "num_blocks": layout.num_blocks,
+            "max_model_len": layout.max_model_len,
+            "vocab_size": layout.vocab_size,
             "max_num_batched_tokens": self.pool_config.max_num_batched_tokens,
             "max_concurrent_requests": self.pool_config.max_concurrent_requests,
             "cost_model": {
@@ -112,14 +103,9 @@ class Worker:
         """The Worker service every role serves."""
         return [Service("kvconductor.v1.Worker", WorkerServicer(self), worker_pb2_grpc.add_WorkerServicer_to_server)]
 
-    async def abort(self, request_id: str) -> None:
-        """Drop a request and free its blocks; completes even if the calling handler is cancelled meanwhile."""
-        with contextlib.suppress(EngineDied):  # a dead engine frees nothing; the worker is leaving
-            await asyncio.shield(self.loop.call(lambda e: e.abort(request_id)))
-
     async def publish_kv_events(self, heartbeat: bool = False) -> None:
         """Send the engine's stored/evicted block hashes to kvmeta."""
-        stored, removed = await self.loop.call_now(lambda e: e.pop_kv_events())
+        stored, removed = await self.engine.pop_kv_events()
         await self.events.publish(stored, removed, heartbeat)
 
     async def heartbeat_kv_events(self, period_s: float = 2.0) -> None:
@@ -139,8 +125,8 @@ class Worker:
             await asyncio.to_thread(self.registry.update, self.record(self.address, self.metrics_address))
 
     async def close(self) -> None:
-        """Stop the engine thread and the event publisher."""
-        self.loop.stop()
+        """Stop the engine and the event publisher."""
+        await self.engine.close()
         await self.events.close()
 
 
@@ -148,30 +134,15 @@ def build_worker(config: Config, role: str, instance_id: str, registry: Registry
     """Load the model, allocate and register the KV pool, and fit the cost models."""
     pool_config: WorkerConfig = getattr(config, "decode" if role == "decode" else role)
     torch.set_num_threads(pool_config.torch_threads)
-    engine = LLMEngine(
-        config.model.path,
-        kv_cache_bytes=pool_config.kv_cache_bytes,
-        block_size=config.block_size,
-        max_num_batched_tokens=pool_config.max_num_batched_tokens,
-        max_num_seqs=pool_config.max_concurrent_requests,
-        # Prefill workers run prompts one at a time, first come first served: TTFT is then T_queue + T_prefill,
-        # as the Conductor predicts it. Colocated workers pack prompts as vLLM does (the baseline).
-        max_num_prefills=1 if role == "prefill" else None,
-        kv_cache_dtype=pool_config.kv_cache_dtype,
-        enable_prefix_caching=pool_config.enable_prefix_caching and role != "decode",
-        dtype=config.model.dtype,
-    )
+    engine, refiner = builtin_engine.build(config, role, pool_config)
     transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
-    transfer.register(engine.kv_pool.base_address, engine.kv_pool.nbytes)
-    refiner = profile_engine(engine)
+    transfer.register(engine.layout.base_address, engine.layout.nbytes)
     prefill_model, decode_model = refiner.fit()
-    engine.pop_kv_events()  # the profile's blocks are not worth announcing
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
-    register_engine(engine)
     return Worker(
-        role, instance_id, config, pool_config, EngineLoop(engine, on_step=refiner.observe), transfer, registry,
-        events, refiner, prefill_model, decode_model,
+        role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
+        decode_model,
     )  # fmt: skip
 
 
@@ -205,24 +176,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Live load and counters."""
         w = self.worker
 
-        def snapshot(e: LLMEngine) -> worker_pb2.WorkerLoad:
-            stats = e.stats()
-            return worker_pb2.WorkerLoad(
-                instance_id=w.instance_id,
-                role=w.role,
-                num_waiting=stats.num_waiting,
-                num_running=stats.num_running,
-                num_free_blocks=e.num_free_blocks,
-                num_total_blocks=e.kv_pool.num_blocks,
-                num_reserved=w.num_reserved(),
-                kv_bytes_sent=w.counters.bytes_sent,
-                kv_blocks_sent=w.counters.blocks_sent,
-                kv_bytes_received=w.counters.bytes_received,
-                kv_blocks_received=w.counters.blocks_received,
-                prefix_cache_query_tokens=stats.prefix_cache_query_tokens,
-                prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
-                engine_beats=w.loop.beats,
-                engine_heartbeat_age_s=w.loop.heartbeat_age(),
-            )
-
-        return await w.loop.call_now(snapshot)
+        load = await w.engine.load()
+        beats, age = w.engine.heartbeat()
+        return worker_pb2.WorkerLoad(
+            instance_id=w.instance_id,
+            role=w.role,
+            num_waiting=load.num_waiting,
+            num_running=load.num_running,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            num_reserved=w.num_reserved(),
+            kv_bytes_sent=w.counters.bytes_sent,
+            kv_blocks_sent=w.counters.blocks_sent,
+            kv_bytes_received=w.counters.bytes_received,
+            kv_blocks_received=w.counters.blocks_received,
+            prefix_cache_query_tokens=load.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
+            engine_beats=beats,
+            engine_heartbeat_age_s=age,
+        )

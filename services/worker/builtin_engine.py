@@ -1,0 +1,208 @@
+"""The built-in torch engine behind the EnginePort: it owns the engine thread and its thread-safety rules.
+
+Requests, aborts and KV imports run on the engine thread between steps (``EngineLoop.call``); what the
+engine guards with its own lock (reserving, pinning, allocating, load, KV events) runs at once on a
+worker thread (``EngineLoop.call_now``), so a decode reservation or a KV export never waits for a long
+step. ``build`` makes the engine a worker needs: load the model, allocate the pool, profile it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, Callable, Sequence
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepOutput
+from engine.sampling import SamplingParams
+from services.common.config import Config, WorkerConfig
+from services.common.metrics import register_engine
+from services.worker.cost_refiner import CostRefiner
+from services.worker.engine_loop import EngineDied, EngineLoop, next_output
+from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout
+from services.worker.profiler import profile_engine
+
+
+class BuiltinEngine:
+    """``LLMEngine`` on its own thread, as an ``EnginePort``."""
+
+    def __init__(self, engine: LLMEngine, refiner: CostRefiner | None = None) -> None:
+        self._loop = EngineLoop(engine, on_step=refiner.observe if refiner is not None else None)
+        pool, model = engine.kv_pool, engine.config
+        self.layout = KVLayout(
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks,
+            bytes_per_block=pool.bytes_per_block,
+            base_address=pool.base_address,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=str(pool.data.dtype).removeprefix("torch."),
+            max_model_len=model.max_model_len,
+            vocab_size=model.vocab_size,
+        )
+
+    @property
+    def died(self) -> asyncio.Future[BaseException] | None:
+        """Resolves when the engine thread dies."""
+        return self._loop.died
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._loop.start()
+
+    async def close(self) -> None:
+        """Stop the engine thread after its current step."""
+        await asyncio.to_thread(self._loop.stop)
+
+    def heartbeat(self) -> tuple[int, float]:
+        """(turns of the engine loop, seconds since the last one)."""
+        return self._loop.beats, self._loop.heartbeat_age()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        imported: ImportedBlocks | None = None,
+    ) -> AsyncGenerator[StepOutput, None]:
+        """Add the request (with a KV copy's blocks, in one engine-thread command) and stream its outputs."""
+
+        def add(e: LLMEngine) -> StepOutput | None:
+            if imported is None:
+                e.add_request(request_id, prompt, params, prefill_only=prefill_only)
+                return None
+            _commit(e, imported)
+            try:
+                e.add_request(request_id, prompt, params, prefill_only=prefill_only)
+            finally:
+                e.unpin_blocks(imported.held)  # the request took its own references
+            return None
+
+        async for out in self._stream(request_id, add):
+            yield out
+
+    async def decode(
+        self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams
+    ) -> AsyncGenerator[StepOutput, None]:
+        """Join the batch with token 0 and stream the tokens after it (token 0 ending it: one empty finish)."""
+        async for out in self._stream(
+            request_id, lambda e: e.add_prefilled_request(request_id, prompt, first_token_id, params)
+        ):
+            yield out
+
+    async def _stream(
+        self, request_id: str, add: Callable[[LLMEngine], StepOutput | None]
+    ) -> AsyncGenerator[StepOutput, None]:
+        outputs = self._loop.open(request_id)
+        finished = False
+        try:
+            first = await self._loop.call(add)
+            if first is not None:  # token 0 ended a prefilled request: nothing new, only the finish
+                finished = True
+                yield dataclasses.replace(first, new_token_ids=[])
+                return
+            while not finished:
+                out = await next_output(outputs)
+                finished = out.finished
+                yield out
+        finally:
+            self._loop.close(request_id)
+            if not finished:
+                await self.abort(request_id)
+
+    async def release(self, request_id: str) -> None:
+        """Free a finished prefill-only request's blocks, without waiting for the engine's next step."""
+        with contextlib.suppress(EngineDied):
+            await asyncio.shield(self._loop.call_now(lambda e: e.release(request_id)))
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a request; completes even if the caller is cancelled meanwhile (a dead engine frees nothing)."""
+        with contextlib.suppress(EngineDied):
+            await asyncio.shield(self._loop.call(lambda e: e.abort(request_id)))
+
+    async def reserve(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
+        """Blocks for prompt + max_tokens, now."""
+        return await self._loop.call_now(lambda e: e.reserve(request_id, num_prompt_tokens, params))
+
+    async def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """Hold cached blocks for a peer (or a copy) to read, now."""
+        return await self._loop.call_now(lambda e: e.pin_cached_blocks(block_hashes, token_ids))
+
+    async def unpin_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop pins, now."""
+        if block_ids:
+            await self._loop.call_now(lambda e: e.unpin_blocks(block_ids))
+
+    async def allocate_blocks(self, num_blocks: int) -> list[int] | None:
+        """Blocks for copied KV, now."""
+        return await self._loop.call_now(lambda e: e.allocate_blocks(num_blocks))
+
+    async def abandon_import(self, imported: ImportedBlocks) -> None:
+        """Cache what was copied, give back the rest (shielded, like ``abort``)."""
+
+        def abandon(e: LLMEngine) -> None:
+            _commit(e, imported)
+            e.unpin_blocks(imported.held)
+
+        with contextlib.suppress(EngineDied):
+            await asyncio.shield(self._loop.call(abandon))
+
+    async def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Stored and removed block hashes since the last call."""
+        return await self._loop.call_now(lambda e: e.pop_kv_events())
+
+    async def load(self) -> EngineLoad:
+        """The engine's load now."""
+        if self._loop.failure is not None:
+            raise EngineDied(self._loop.failure)
+        return await asyncio.to_thread(self.snapshot)
+
+    def snapshot(self) -> EngineLoad:
+        """The engine's load, from any thread (the engine guards its counters with its lock)."""
+        e = self._loop.engine
+        stats = e.stats()
+        return EngineLoad(
+            stats.num_waiting, stats.num_running, e.num_free_blocks, self.layout.num_blocks,
+            stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens,
+        )  # fmt: skip
+
+    def inject_fault(self, kind: str) -> None:
+        """Test-only faults of the engine thread."""
+        self._loop.inject_fault(kind)
+
+
+def _commit(e: LLMEngine, imported: ImportedBlocks) -> None:
+    """Engine thread: cache the copied blocks and give back the unfilled targets."""
+    bs = e.kv_pool.block_size
+    first, last = len(imported.held), len(imported.held) + imported.num_copied
+    copied = imported.targets[: imported.num_copied]
+    if copied:
+        e.commit_imported_blocks(copied, imported.block_hashes[first:last], imported.token_ids[first * bs : last * bs])
+    e.unpin_blocks(imported.targets[imported.num_copied :])
+
+
+def build(config: Config, role: str, pool_config: WorkerConfig) -> tuple[BuiltinEngine, CostRefiner]:
+    """Load the model, allocate the paged KV pool and profile it: the engine of one worker process."""
+    engine = LLMEngine(
+        config.model.path,
+        kv_cache_bytes=pool_config.kv_cache_bytes,
+        block_size=config.block_size,
+        max_num_batched_tokens=pool_config.max_num_batched_tokens,
+        max_num_seqs=pool_config.max_concurrent_requests,
+        # Prefill workers run prompts one at a time, first come first served: TTFT is then T_queue + T_prefill,
+        # as the Conductor predicts it. Colocated workers pack prompts as vLLM does (the baseline).
+        max_num_prefills=1 if role == "prefill" else None,
+        kv_cache_dtype=pool_config.kv_cache_dtype,
+        enable_prefix_caching=pool_config.enable_prefix_caching and role != "decode",
+        dtype=config.model.dtype,
+    )
+    refiner = profile_engine(engine)
+    engine.pop_kv_events()  # the profile's blocks are not worth announcing,
+    engine.reset_prefix_cache_stats()  # nor its lookups counting in the hit rate
+    port = BuiltinEngine(engine, refiner)
+    register_engine(port.snapshot)
+    return port, refiner

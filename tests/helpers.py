@@ -125,8 +125,11 @@ def spawn(cluster, role, instance_id, log_dir, extra_args=()):
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
 
 
-def wait_registered(cluster, role, instance_id, present=True, timeout=60):
-    """Wait until an instance's key is (or is no longer) in etcd."""
+def wait_registered(cluster, role, instance_id, present=True, timeout=180):
+    """Wait until an instance's key is (or is no longer) in etcd.
+
+    A new worker loads its model and profiles it before it registers: about a minute on a busy machine.
+    """
     from services.common.registry import Registry
 
     deadline = time.monotonic() + timeout

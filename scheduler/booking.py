@@ -40,6 +40,7 @@ class Booking:
     expected_join: float = 0.0  # assignment + predicted TTFT
     expected_decode_s: float = 0.0  # expected output tokens x predicted TBT
     decode_started: float | None = None
+    new_tokens: int = 0  # prompt tokens its prefill computes (the rest is reused)
 
     def resident(self, now: float) -> Resident:
         """The request as part of a decode batch, relative to ``now``."""
@@ -83,6 +84,11 @@ class Bookings:
     def t_queue(self, now: float) -> float:
         """Predicted seconds of prefill work ahead of a request arriving now."""
         return max(0.0, self._busy_until - now)
+
+    def in_prefill(self) -> tuple[int, int]:
+        """(requests whose prefill is still queued or running, the tokens they have left to compute)."""
+        waiting = [b for b in self.items.values() if b.predicted_prefill_s > 0]
+        return len(waiting), sum(b.new_tokens for b in waiting)
 
     def residents(self, now: float) -> tuple[Resident, ...]:
         """The decode batch as the policy sees it."""

@@ -19,21 +19,21 @@ Early rejection (Mooncake arXiv v3, section 7): *plain* judges TBT on the decode
 *prediction* judges it at the moment the request's prefill would finish, counting the requests whose
 prefill completes by then and dropping those whose decode will have finished.
 
-Baselines for comparisons choose the prefill instance differently and never copy: ``round_robin``,
-``random``, ``least_loaded`` (least T_queue) and ``cache_aware`` (longest prefix, then least T_queue).
+Other rules (``scheduler.rules``) choose the prefill instance differently and never copy: the baselines
+``round_robin``, ``random``, ``least_loaded`` and ``cache_aware``, and the peers' published rules
+``dynamo`` and ``sglang``; decode choice and admission stay the same for all.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel
+from scheduler.rules import RULES, PrefillRule
 
-POLICIES = ("kvcache_centric", "round_robin", "random", "least_loaded", "cache_aware")
+POLICIES = tuple(RULES)
 EARLY_REJECTION = ("prediction", "plain")
 
 
@@ -52,6 +52,8 @@ class PrefillCandidate:
     step_tokens: int = 0
     idle: bool = False  # nothing queued or running here (the admission probe's condition)
     profile: PrefillModel | None = None  # the instance's start-up profile (admission's reference when idle)
+    in_flight: int = 0  # requests whose prefill is queued or running here (the peers' rules count them)
+    queued_new_tokens: int = 0  # tokens still to compute for them
 
     def t_prefill(self, new_tokens: int, cached_tokens: int) -> float:
         """Predicted prefill time here, including the decode steps it shares on a colocated instance."""
@@ -191,19 +193,18 @@ class Rejection:
 
 @dataclass
 class ConductorPolicy:
-    """Chooses (prefill, decode) per request; holds the baselines' state (round-robin turn, RNG)."""
+    """Chooses (prefill, decode) per request; holds the rule's state (round-robin turn, RNG)."""
 
     config: PolicyConfig = field(default_factory=PolicyConfig)
     seed: int = 0
-    _turn: itertools.count[int] = field(default_factory=itertools.count)
-    _rng: random.Random = field(init=False)
+    rule: PrefillRule = field(init=False)
 
     def __post_init__(self) -> None:
         if self.config.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.config.policy!r}")
         if self.config.early_rejection not in EARLY_REJECTION:
             raise ValueError(f"early_rejection must be one of {', '.join(EARLY_REJECTION)}")
-        self._rng = random.Random(self.seed)
+        self.rule = RULES[self.config.policy](self.seed)
 
     def schedule(
         self,
@@ -228,9 +229,9 @@ class ConductorPolicy:
             return Rejection(f"no instance is available with {request.num_blocks} free KV blocks and a free slot")
         best = max(prefills, key=lambda p: (request.usable_prefix(p.prefix_len), p.instance_id))
         best_len = request.usable_prefix(best.prefix_len)
-        can_copy = links is not None and self.config.policy == "kvcache_centric"
+        can_copy = links is not None and self.rule.copies
         estimates = tuple(self._estimate(p, best if can_copy else None, request, links) for p in prefills)
-        chosen = self._choose(estimates, prefills)
+        chosen = self.rule.choose(estimates, prefills, request)
         at = chosen.ttft if self.config.early_rejection == "prediction" else 0.0
         decode = select_decode([d for d in decodes if d.instance_id == chosen.instance_id] if colocated else decodes,
                                request, at)  # fmt: skip
@@ -282,29 +283,11 @@ class ConductorPolicy:
             return local
         return copied
 
-    def _choose(self, estimates: tuple[PrefillEstimate, ...], prefills: Sequence[PrefillCandidate]) -> PrefillEstimate:
-        policy = self.config.policy
-        if policy == "round_robin":
-            return estimates[next(self._turn) % len(estimates)]
-        if policy == "random":
-            return self._rng.choice(estimates)
-        if policy == "least_loaded":
-            return min(estimates, key=lambda e: (e.t_queue, e.instance_id))
-        if policy == "cache_aware":
-            return min(estimates, key=lambda e: (-e.prefix_len, e.t_queue, e.instance_id))
-        return min(estimates, key=lambda e: (e.ttft, -e.prefix_len, e.instance_id))
-
     def _explain(self, plan: Plan) -> str:
         e = plan.prefill
         others = ", ".join(f"{c.instance_id}={c.ttft * 1e3:.0f}ms" for c in plan.candidates)
         how = f"copies {e.copy_tokens} tokens of KV from {e.copy_from}" if e.copy_from else "computes locally"
-        rule = {
-            "kvcache_centric": f"least predicted TTFT ({others})",
-            "round_robin": "round-robin turn",
-            "random": "random choice",
-            "least_loaded": "least T_queue",
-            "cache_aware": "longest cached prefix",
-        }[self.config.policy]
+        rule = f"{self.rule.explanation} ({others})"
         when = "when its prefill ends" if self.config.early_rejection == "prediction" else "now"
         return (
             f"prefill {e.instance_id} by {rule}; it reuses {e.prefix_len} tokens and {how}; "

@@ -282,3 +282,25 @@ def test_the_ttft_overhead_is_a_bounded_median_of_fresh_samples():
         overhead.observe(10.0 + i, 2.0)  # a burst of queueing-like samples cannot pass the cap
     assert overhead.value(20.0) == 0.5
     assert overhead.value(200.0) == 0.0  # decays: nothing fresh
+
+
+def test_the_peers_rules_are_policies_like_the_others():
+    idle = PrefillCandidate("idle", 0, 0.0, PREFILL)
+    holder = PrefillCandidate("holder", 512, 0.5, PREFILL, in_flight=3, queued_new_tokens=3000)
+    sglang = policy(policy="sglang").schedule([idle, holder], [decode()], shape(1024), SLO, FAST_LINK)
+    assert isinstance(sglang, Plan) and sglang.prefill.instance_id == "holder"  # 50% match beats the load
+    assert not sglang.prefill.copy_from and "SGLang" in sglang.reason
+    dynamo = policy(policy="dynamo").schedule([idle, holder], [decode()], shape(1024), SLO, FAST_LINK)
+    assert isinstance(dynamo, Plan) and dynamo.prefill.instance_id == "idle"  # 64 blocks < 64 + 188 - 32
+    short = replace(holder, prefix_len=256)  # 25% match: the least loaded
+    sglang = policy(policy="sglang").schedule([idle, short], [decode()], shape(1024), SLO, FAST_LINK)
+    assert isinstance(sglang, Plan) and sglang.prefill.instance_id == "idle"
+
+
+def test_every_policy_is_a_valid_scheduler_setting():
+    from scheduler.policy import POLICIES
+    from services.common.config import load_config
+
+    assert {"dynamo", "sglang", "kvcache_centric"} <= set(POLICIES)
+    for name in POLICIES:
+        assert load_config(None, [f'scheduler.policy="{name}"']).scheduler.policy == name

@@ -9,7 +9,6 @@ colocated prefill+decode) and the clock are simulated. One concept per module:
 - ``prefix_cache``: one instance's LRU cache of KV blocks, with the events it sends to the KV index
 - ``prefill_instance``, ``decode_instance``: the simulated workers (a decode instance with a prefill
   queue is the colocated worker)
-- ``selectors``: peers' published prefill-routing rules (Dynamo KV router, SGLang router)
 - ``simulator``: the event loop that asks the policy and books its plans
 - ``metrics``: TTFT / TBT / SLO summaries of a run
 """

@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.booking import Bookings
+from scheduler.core import ConductorCore
+from scheduler.instance import InstanceState
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import PrefillJob, chunked_prefill_s
 from scheduler.sim.prefix_cache import PrefixCache
@@ -49,6 +50,7 @@ class DecodeInstance:
         profile: Profile,
         block_size: int,
         on_finish: Finished,
+        core: ConductorCore,
         cache: PrefixCache | None = None,
     ) -> None:
         self.instance_id = instance_id
@@ -56,7 +58,12 @@ class DecodeInstance:
         self.model = profile.decode
         self.capacity_blocks = profile.decode_kv_tokens // block_size
         self.block_size = block_size
-        self.bookings = Bookings()
+        self.core = core  # the simulator's Conductor core, told when a colocated prefill ends
+        role = "decode" if cache is None else "colocated"
+        self.state = InstanceState(
+            instance_id, role, profile.prefill, profile.decode, num_blocks=self.capacity_blocks,
+            max_running=profile.max_running, chunk_tokens=profile.chunk_tokens,
+        )  # fmt: skip
         self.cache = cache
         self.step_times: list[float] = []
         self.batch = 0
@@ -153,7 +160,8 @@ class DecodeInstance:
         self._chunking = None
         assert self.cache is not None
         self.cache.store(c.job.request.full_blocks)
-        self.bookings.prefill_done(c.job.record.request_id, end)
+        self.core.prefill_done(self.state, c.job.record.request_id, end)
+        self.core.decode_started(self.state, c.job.record.request_id, end)
         c.job.record.first_token = end
         if c.job.record.num_output_tokens > 1:
             self.join(c.job.record, end)

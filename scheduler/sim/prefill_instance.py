@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler.booking import Bookings
+from scheduler.core import ConductorCore
 from scheduler.cost_model import PrefillModel
+from scheduler.instance import InstanceState
 from scheduler.policy import RequestShape
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefix_cache import PrefixCache
@@ -60,26 +61,25 @@ class PrefillJob:
 class PrefillInstance:
     """FIFO prefill worker; the simulator schedules an event at each job's end."""
 
-    def __init__(self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache) -> None:
+    def __init__(
+        self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache, core: ConductorCore
+    ) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.block_size = block_size
         self.cache = cache
-        self.bookings = Bookings()
+        self.state = InstanceState(
+            instance_id, "prefill", profile.prefill, profile.decode, num_blocks=cache.capacity_blocks,
+            max_running=profile.max_running, chunk_tokens=profile.chunk_tokens,
+        )  # fmt: skip
+        self.core = core  # the simulator's Conductor core, told when a prefill ends
         self.queue: deque[PrefillJob] = deque()
         self.running: PrefillJob | None = None
-        self.queued_new_tokens = 0  # tokens the plans say must be computed, over queued and running jobs
         self.busy_s = 0.0
-
-    @property
-    def in_flight(self) -> int:
-        """Requests queued or running here."""
-        return len(self.queue) + (self.running is not None)
 
     def submit(self, job: PrefillJob, now: float) -> float | None:
         """Queue a job; returns its end time when it starts at once."""
         self.queue.append(job)
-        self.queued_new_tokens += job.shape.num_prompt_tokens - job.plan_prefix
         return self._start(now) if self.running is None else None
 
     def finish(self, now: float) -> tuple[PrefillJob, float | None]:
@@ -88,8 +88,7 @@ class PrefillInstance:
         if job is None:
             raise RuntimeError(f"{self.instance_id} has no running prefill")
         self.cache.store(job.request.full_blocks)
-        self.bookings.remove(job.record.request_id, now)
-        self.queued_new_tokens -= job.shape.num_prompt_tokens - job.plan_prefix
+        self.core.release(job.record.request_id, now, self.state)
         self.running = None
         return job, self._start(now) if self.queue else None
 

@@ -1,13 +1,11 @@
 """The event loop: requests arrive, the live policy plans them, simulated instances run the plans.
 
-Per arrival the simulator does what the live Conductor does (services/conductor/conductor.py ``_plan`` and
-``_assign``): match the prompt's block hashes in the global ``KVIndex``, build one ``PrefillCandidate``
-per prefill instance and one ``DecodeCandidate`` per decode instance from its bookings, call
-``ConductorPolicy.schedule``, and book the plan. Peers' rules (``dynamo``, ``sglang``) pick the prefill
-instance first and pass only that candidate to the same ``schedule`` (as a no-copy baseline), so decode
-choice and admission are ours. ``colocated`` runs the same policy over colocated instances with no
-transfer links, and the request runs wholly on the chosen prefill instance, as in the live colocated
-path.
+Per arrival the simulator does what the live Conductor does, through the same ``scheduler.core``:
+match the prompt's block hashes in the global ``KVIndex``, ``ConductorCore.decide`` over the instances'
+``InstanceState`` (candidates built from their bookings), and ``ConductorCore.book`` the plan. Every
+``[scheduler] policy`` rule runs, the peers' (``dynamo``, ``sglang``) included. ``colocated`` runs
+Algorithm 1 over colocated instances with no transfer links; the request runs wholly on the chosen
+instance, which is the plan's decode instance, as in the live colocated path.
 
 Events: arrivals, prefill completions (PD), and load samples; decode and colocated instances advance
 lazily to each event's time before anyone looks at them.
@@ -17,35 +15,24 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.booking import Booking, request_blocks
+from scheduler.booking import request_blocks
+from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels
 from scheduler.kv_index import KVIndex
-from scheduler.policy import (
-    POLICIES,
-    ConductorPolicy,
-    DecodeCandidate,
-    Plan,
-    PolicyConfig,
-    PrefillCandidate,
-    Rejection,
-    RequestShape,
-    Slo,
-)
+from scheduler.policy import POLICIES, ConductorPolicy, Plan, PolicyConfig, Rejection, RequestShape, Slo
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import PrefillInstance, PrefillJob
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile
-from scheduler.sim.selectors import PEER_RULES, WorkerLoad, dynamo_select, sglang_select
 from scheduler.sim.trace import TraceRequest
 
-SIM_POLICIES = (*POLICIES, *PEER_RULES, "colocated")
+SIM_POLICIES = (*POLICIES, "colocated")
 _PREFILL_DONE, _ARRIVAL, _SAMPLE = 0, 1, 2
 
 
@@ -79,10 +66,8 @@ class SimConfig:
 
     @property
     def live_policy(self) -> str:
-        """The ``PolicyConfig.policy`` the run calls."""
-        if self.policy in POLICIES:
-            return self.policy
-        return "kvcache_centric" if self.colocated else "least_loaded"  # one candidate: any baseline keeps it
+        """The ``PolicyConfig.policy`` the run calls (colocated runs Algorithm 1 over colocated instances)."""
+        return "kvcache_centric" if self.colocated else self.policy
 
 
 @dataclass
@@ -108,22 +93,15 @@ class Simulator:
             RequestRecord(r.request_id, r.arrival, r.num_prompt_tokens, r.num_output_tokens) for r in requests
         ]
         self.index = KVIndex()
-        self.links = LinkModels(profile.link)
-        self.policy = ConductorPolicy(
-            PolicyConfig(
-                config.live_policy,
-                config.kv_cache_balancing_threshold,
-                config.compare_copy_with_recompute,
-                config.early_rejection,
-            ),
-            seed=config.seed,
-        )
+        policy_config = PolicyConfig(
+            config.live_policy, config.kv_cache_balancing_threshold, config.compare_copy_with_recompute,
+            config.early_rejection,
+        )  # fmt: skip
+        self.core = ConductorCore(ConductorPolicy(policy_config, seed=config.seed), LinkModels(profile.link))
         self.slo = Slo(config.max_ttft, config.max_tbt, config.reject)
-        self._rng = random.Random(config.seed)
         self._build_instances()
         self._events: list[tuple[float, int, int, int]] = []  # (time, kind, seq, argument)
         self._seq = 0
-        self._mean_output = 0.0
         self.policy_calls = 0
         self.samples: list[dict[str, float]] = []
 
@@ -133,15 +111,17 @@ class Simulator:
         self.prefills: list[PrefillInstance] = []
         if cfg.colocated:
             self.decodes = [
-                DecodeInstance(f"c{i}", prof, bs, self._finished, PrefixCache(f"c{i}", cache_blocks, self.index))
+                DecodeInstance(
+                    f"c{i}", prof, bs, self._finished, self.core, PrefixCache(f"c{i}", cache_blocks, self.index)
+                )
                 for i in range(cfg.num_prefill + cfg.num_decode)
             ]
         else:
             self.prefills = [
-                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index))
+                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index), self.core)
                 for i in range(cfg.num_prefill)
             ]
-            self.decodes = [DecodeInstance(f"d{i}", prof, bs, self._finished) for i in range(cfg.num_decode)]
+            self.decodes = [DecodeInstance(f"d{i}", prof, bs, self._finished, self.core) for i in range(cfg.num_decode)]
         self._decode_by_id = {d.instance_id: d for d in self.decodes}
         self._prefill_index = {p.instance_id: i for i, p in enumerate(self.prefills)}
 
@@ -197,53 +177,28 @@ class Simulator:
 
     def _decide(self, now: float, request: TraceRequest, shape: RequestShape) -> Plan | Rejection:
         pool = self.prefills or self.decodes
-        bs = self.config.block_size
         match = self.index.match_prefix(request.block_hashes, [p.instance_id for p in pool]).prefix_blocks
-        model = self.profile.prefill
-        prefills = [
-            PrefillCandidate(p.instance_id, match.get(p.instance_id, 0) * bs, p.bookings.t_queue(now), model)
-            for p in pool
-        ]
-        decodes = [
-            DecodeCandidate(
-                d.instance_id,
-                d.bookings.residents(now),
-                d.capacity_blocks - d.bookings.num_blocks,
-                self.profile.max_running,
-                self.profile.decode,
-            )
-            for d in self.decodes
-        ]
-        if self.config.policy in PEER_RULES:
-            loads = {p.instance_id: WorkerLoad(p.in_flight, p.queued_new_tokens) for p in self.prefills}
-            if self.config.policy == "dynamo":
-                prefills = [dynamo_select(prefills, shape, loads, self._rng)]
-            else:
-                prefills = [sglang_select(prefills, shape, loads)]
+        prefix = {i: blocks * self.config.block_size for i, blocks in match.items()}
         self.policy_calls += 1
-        links = None if self.config.colocated else self.links
-        return self.policy.schedule(prefills, decodes, shape, self.slo, links)
+        return self.core.decide(
+            now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo,
+            self.config.colocated,
+        )  # fmt: skip
 
     def _book(self, now: float, request: TraceRequest, record: RequestRecord, shape: RequestShape, plan: Plan) -> None:
         e = plan.prefill
-        decode_id = e.instance_id if self.config.colocated else plan.decode_instance
-        record.prefill_instance, record.decode_instance = e.instance_id, decode_id
+        record.prefill_instance, record.decode_instance = e.instance_id, plan.decode_instance
         record.predicted_ttft, record.predicted_tbt = e.ttft, plan.tbt
-        expected = request.num_output_tokens
-        if self._mean_output:
-            expected = min(expected, round(self._mean_output))
-        job = PrefillJob(request, record, shape, now, e.prefix_len, bool(e.copy_from), decode_id)
-        decode = self._decode_by_id[decode_id]
-        t_prefill = e.t_prefill if self.config.colocated else 0.0
-        decode.bookings.add(
-            record.request_id,
-            Booking(now, t_prefill, shape.num_prompt_tokens, shape.num_blocks, now + e.ttft, expected * plan.tbt),
-        )
-        if self.config.colocated:
+        job = PrefillJob(request, record, shape, now, e.prefix_len, bool(e.copy_from), plan.decode_instance)
+        decode = self._decode_by_id[plan.decode_instance]
+        if self.config.colocated:  # the policy made the decode instance the prefill instance
+            self.core.book(now, record.request_id, plan, shape, request.num_output_tokens, decode.state, decode.state)
             decode.submit(job)
             return
         p = self._prefill_index[e.instance_id]
-        self.prefills[p].bookings.add(record.request_id, Booking(now, e.t_prefill, shape.num_prompt_tokens, 0))
+        self.core.book(
+            now, record.request_id, plan, shape, request.num_output_tokens, self.prefills[p].state, decode.state
+        )
         end = self.prefills[p].submit(job, now)
         if end is not None:
             self._push(end, _PREFILL_DONE, p)
@@ -255,7 +210,7 @@ class Simulator:
         record = job.record
         record.first_token = now + self.profile.link.predict(job.shape.kv_bytes(job.shape.num_prompt_tokens))
         decode = self._decode_by_id[job.decode_instance]
-        decode.bookings.items[record.request_id].decode_started = record.first_token
+        self.core.decode_started(decode.state, record.request_id, record.first_token)
         if record.num_output_tokens > 1:
             decode.join(record, record.first_token)
         else:
@@ -263,16 +218,14 @@ class Simulator:
 
     def _finished(self, record: RequestRecord, now: float) -> None:
         record.finish = now
-        self._decode_by_id[record.decode_instance].bookings.remove(record.request_id, now)
-        weight = 0.05  # the live Conductor's moving average of completion lengths
-        tokens = record.num_output_tokens
-        self._mean_output = (1 - weight) * (self._mean_output or tokens) + weight * tokens
+        self.core.release(record.request_id, now, self._decode_by_id[record.decode_instance].state)
+        self.core.observe_completion(record.num_output_tokens)
 
     def _sample(self, now: float) -> None:
         for d in self.decodes:
             d.advance_to(now)
         pool = self.prefills or self.decodes
-        queue = [p.bookings.t_queue(now) for p in pool]
+        queue = [p.state.prefilling.t_queue(now) for p in pool]
         steps = [d.model.predict(d.batch, d.context) for d in self.decodes]
         self.samples.append(
             {

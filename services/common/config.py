@@ -160,7 +160,8 @@ class SchedulerConfig:
     kv_cache_balancing_threshold: float = 1.2
     # Beyond the paper: keep a copy plan only if it is predicted faster than recomputing those blocks.
     compare_copy_with_recompute: bool = True
-    # "kvcache_centric" (Algorithm 1) or a baseline: "round_robin", "random", "least_loaded", "cache_aware".
+    # "kvcache_centric" (Algorithm 1) or another prefill rule (scheduler/rules.py): "round_robin", "random",
+    # "least_loaded", "cache_aware", "dynamo", "sglang".
     policy: str = "kvcache_centric"
     estimate_model: str = "empirical"  # cost models fitted from measured runs
     reject_on_slo_violation: bool = True  # refuse requests whose predicted TTFT/TBT breaks the SLO

@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler.booking import Bookings
 from scheduler.cost_model import DecodeModel, PrefillModel
-from scheduler.policy import DecodeCandidate, PrefillCandidate
+from scheduler.instance import InstanceState
 from services.common.registry import InstanceEvent
 from services.common.rpc import channel
 
@@ -29,17 +28,21 @@ CHANNEL_CLOSE_GRACE_S = 120.0
 
 @dataclass
 class InstanceView:
-    """One worker instance."""
+    """One worker instance: its record, a channel to it, and its state in the Conductor core."""
 
-    role: str
-    instance_id: str
     record: dict[str, Any]
     channel: grpc.aio.Channel
-    prefill_model: PrefillModel
-    decode_model: DecodeModel
-    profile: tuple[PrefillModel, DecodeModel] | None = None  # the start-up profile's models
-    prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
-    decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
+    state: InstanceState
+
+    @property
+    def role(self) -> str:
+        """prefill, decode or colocated."""
+        return self.state.role
+
+    @property
+    def instance_id(self) -> str:
+        """Its id in etcd."""
+        return self.state.instance_id
 
     @property
     def prefill_stub(self) -> prefill_pb2_grpc.PrefillStub:
@@ -56,31 +59,18 @@ class InstanceView:
         """Stub of the Colocated service."""
         return colocated_pb2_grpc.ColocatedStub(self.channel)
 
-    def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
-        """The instance as a prefill candidate."""
-        budget = int(self.record["max_num_batched_tokens"])
-        t_queue = self.prefilling.t_queue(now)
-        profile = self.profile[0] if self.profile else None
-        if self.role == "prefill":
-            return PrefillCandidate(self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=budget,
-                                    idle=not self.prefilling, profile=profile)  # fmt: skip
-        decoding = [r for r in self.decoding.residents(now) if r.t_join <= 0]
-        step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
-        return PrefillCandidate(
-            self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step, step_tokens=budget,
-            idle=not self.prefilling and not self.decoding, profile=profile,
-        )  # fmt: skip
 
-    def decode_candidate(self, now: float) -> DecodeCandidate:
-        """The instance as a decode candidate."""
-        return DecodeCandidate(
-            self.instance_id,
-            residents=self.decoding.residents(now),
-            num_free_blocks=int(self.record["num_blocks"]) - self.decoding.num_blocks,
-            max_running=int(self.record["max_concurrent_requests"]),
-            model=self.decode_model,
-            profile=self.profile[1] if self.profile else None,
-        )
+def _state(role: str, instance_id: str, record: dict[str, Any], old: InstanceState | None) -> InstanceState:
+    """The core's state from a record; bookings carry over from the instance's previous record."""
+    cost_model = record["cost_model"]
+    state = InstanceState(
+        instance_id, role, PrefillModel.from_dict(cost_model["prefill"]), DecodeModel.from_dict(cost_model["decode"]),
+        num_blocks=int(record["num_blocks"]), max_running=int(record["max_concurrent_requests"]),
+        chunk_tokens=int(record["max_num_batched_tokens"]), profile=_profile(cost_model),
+    )  # fmt: skip
+    if old is not None:
+        state.prefilling, state.decoding = old.prefilling, old.decoding
+    return state
 
 
 def _profile(cost_model: dict[str, Any]) -> tuple[PrefillModel, DecodeModel] | None:
@@ -128,16 +118,10 @@ class ClusterView:
         record = event.record
         same_address = old is not None and old.record["address"] == record["address"]
         view = InstanceView(
-            event.role,
-            event.instance_id,
             record,
             old.channel if old is not None and same_address else channel(record["address"]),
-            PrefillModel.from_dict(record["cost_model"]["prefill"]),
-            DecodeModel.from_dict(record["cost_model"]["decode"]),
-            _profile(record["cost_model"]),
+            _state(event.role, event.instance_id, record, old.state if old is not None and same_address else None),
         )
-        if old is not None and same_address:
-            view.prefilling, view.decoding = old.prefilling, old.decoding
         self.instances[event.instance_id] = view
         if old is None:
             log.info("%s %s joined at %s", event.role, event.instance_id, record["address"])

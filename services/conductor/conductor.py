@@ -35,7 +35,8 @@ from kvconductor.v1 import (
     kvmeta_pb2_grpc,
     prefill_pb2,
 )
-from scheduler.booking import Booking, request_blocks
+from scheduler.booking import request_blocks
+from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels, TransferModel
 from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
 from scheduler.ttft_overhead import TtftOverhead
@@ -61,11 +62,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.config = config
         self.view = view
         self.tokenizer = tokenizer
-        self.policy = ConductorPolicy(config.scheduler.policy_config())
-        self.links = LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps))
+        self.core = ConductorCore(
+            ConductorPolicy(config.scheduler.policy_config()),
+            LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps)),
+        )
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
-        self.mean_output_tokens = 0.0  # moving average of completion lengths (0 = none seen yet)
         # time outside the instances' models, per serving path (scheduler/ttft_overhead.py)
         self.overheads = {
             "disaggregated": TtftOverhead(OVERHEAD_CAP * config.prefill.max_ttft_ms / 1e3),
@@ -122,8 +124,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 instance_id=v.instance_id,
                 address=v.record["address"],
                 num_blocks=int(v.record["num_blocks"]),
-                num_running=len(v.decoding) + len(v.prefilling),
-                t_queue_ms=v.prefilling.t_queue(now) * 1e3,
+                num_running=len(v.state.decoding) + len(v.state.prefilling),
+                t_queue_ms=v.state.prefilling.t_queue(now) * 1e3,
                 record_json=json.dumps(v.record, sort_keys=True),
                 scheduling=self.view.scheduling(v.instance_id, now),
             )
@@ -230,13 +232,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         colocated = prefills is decodes
         prefix = await self._prefix_lens(job, prefills)
         now = time.monotonic()
-        record = prefills[0].record
-        shape = RequestShape(
-            num_prompt_tokens=len(job.tokens),
-            num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, int(record["block_size"])),
-            block_size=int(record["block_size"]),
-            bytes_per_block=int(record["kv_layout"]["bytes_per_block"]),
-        )
         ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
         tbt_cfg: WorkerConfig = self.config.colocated if colocated else self.config.decode
         slo = Slo(
@@ -245,36 +240,31 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.config.scheduler.reject_on_slo_violation,
             ttft_overhead=self.overheads[job.path].value(now),
         )
-        outcome = self.policy.schedule(
-            [v.prefill_candidate(prefix.get(v.instance_id, 0), now) for v in prefills],
-            [v.decode_candidate(now) for v in decodes],
-            shape,
-            slo,
-            None if colocated else self.links,
-            colocated=colocated,
+        shape = self._shape(job, prefills[0].record)
+        outcome = self.core.decide(
+            now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated
         )
-        job.decision = to_decision(job.request_id, self.policy.config.policy, outcome)
+        job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome)
         self.decisions.record(job.decision)
         return outcome
 
-    def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
-        """Book the request's prefill work on p and its decode footprint on d."""
-        now = time.monotonic()
-        n, max_tokens = len(job.tokens), job.attempt_sampling.max_tokens
-        blocks = request_blocks(n, max_tokens, self.view.block_size())
-        expected_tokens = max_tokens
-        if self.mean_output_tokens:
-            expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
-        p.prefilling.add(job.request_id, Booking(now, plan.prefill.t_prefill, n, 0))
-        d.decoding.add(
-            job.request_id,
-            Booking(now, 0.0, n, blocks, now + plan.prefill.ttft, expected_tokens * plan.tbt),
+    @staticmethod
+    def _shape(job: Job, record: dict[str, Any]) -> RequestShape:
+        block_size = int(record["block_size"])
+        return RequestShape(
+            num_prompt_tokens=len(job.tokens),
+            num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, block_size),
+            block_size=block_size,
+            bytes_per_block=int(record["kv_layout"]["bytes_per_block"]),
         )
 
+    def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
+        """Book the request's prefill work on p and its decode footprint on d."""
+        shape = self._shape(job, p.record)
+        self.core.book(time.monotonic(), job.request_id, plan, shape, job.attempt_sampling.max_tokens, p.state, d.state)
+
     def _release(self, job: Job, *instances: InstanceView) -> None:
-        for v in instances:
-            v.prefilling.remove(job.request_id, time.monotonic())
-            v.decoding.remove(job.request_id, time.monotonic())
+        self.core.release(job.request_id, time.monotonic(), *(v.state for v in instances))
 
     # -- the two serving paths -------------------------------------------------------------------
 
@@ -313,6 +303,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         pool = [v for v in self.view.pool(role) if v.instance_id not in job.failed]
         if not pool and job.failed:  # a retry with nowhere left to go: the failure, not a capacity rejection
             raise RpcError(UNAVAILABLE, f"no {role} instance left after {', '.join(sorted(job.failed))} failed")
+        if not pool:  # every one of them is suspect or quarantined
+            raise RpcError(UNAVAILABLE, f"no {role} instance is available now")
         return pool
 
     async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
@@ -326,7 +318,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             job.phase = "prefill"
             first = await self._prefill_on(job, plan, p, d)
             prefilled = True  # d holds a reservation with the prompt's KV until its Decode call takes it
-            _mark_decoding(d, job.request_id)
+            self.core.decode_started(d.state, job.request_id, time.monotonic())
             yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
             job.phase = "decode"
             with blame(d.instance_id):
@@ -413,7 +405,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self._release_reservation(job, d)
             raise
         finally:
-            p.prefilling.prefill_done(job.request_id, time.monotonic())
+            self.core.prefill_done(p.state, job.request_id, time.monotonic())
         self._learn(job, p, d, response)
         return response
 
@@ -449,10 +441,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 )
             )
         job.worker_ttft = r.prefill_seconds + r.transfer_exposed_seconds
-        self.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
+        self.core.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
         self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
         if r.copy_bytes:
-            self.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
+            self.core.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
             self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)
         copy = f", copied {r.copied_tokens} tokens in {r.copy_seconds * 1e3:.1f} ms" if r.copied_tokens else ""
         note = f" ({r.copy_note})" if r.copy_note else ""
@@ -475,8 +467,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             call = c.colocated_stub.Generate(request)
             try:
                 async for chunk in self._watch(call, c.instance_id, "colocated", plan.prefill.ttft, plan.tbt):
-                    c.prefilling.prefill_done(job.request_id, time.monotonic())
-                    _mark_decoding(c, job.request_id)
+                    self.core.prefill_done(c.state, job.request_id, time.monotonic())
+                    self.core.decode_started(c.state, job.request_id, time.monotonic())
                     yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
             finally:
                 call.cancel()
@@ -543,10 +535,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )  # fmt: skip
         if job.decision is not None:
             job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
-        weight = 0.05
-        self.mean_output_tokens = (1 - weight) * (
-            self.mean_output_tokens or completion_tokens
-        ) + weight * completion_tokens
+        self.core.observe_completion(completion_tokens)
 
 
 def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
@@ -566,12 +555,6 @@ def _overhead_sample(job: Job, ttft: float) -> float | None:
     if job.plan.prefill.t_queue == 0:  # colocated: only requests that found the instance idle
         return ttft - job.plan.prefill.ttft
     return None
-
-
-def _mark_decoding(v: InstanceView, request_id: str) -> None:
-    booking = v.decoding.items.get(request_id)
-    if booking is not None and booking.decode_started is None:
-        booking.decode_started = time.monotonic()
 
 
 def services(servicer: ConductorServicer) -> list[Service]:

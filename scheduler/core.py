@@ -1,0 +1,89 @@
+"""The Conductor core: candidates -> decide -> book -> observe, shared by the live Conductor and the simulator.
+
+Per request::
+
+    decide(now, shape, prefix_lens, prefills, decodes, slo, colocated)  -> Plan or Rejection (Algorithm 1)
+    book(now, request_id, plan, ...)        the prefill work on p, the decode footprint on d
+    prefill_done / decode_started / release as the request runs
+    observe_completion(tokens)              the mean output length that sizes future decode bookings
+
+On the colocated path the decode instance is the prefill instance the policy chose, with room for the
+request, and the booking goes to that same instance (``Plan.decode_instance``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.booking import Booking
+from scheduler.cost_model import LinkModels
+from scheduler.instance import InstanceState
+from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
+
+OUTPUT_WEIGHT = 0.05  # of each completion in the moving average of output lengths
+
+
+@dataclass
+class ConductorCore:
+    """The policy, the learned transfer links and the bookkeeping around them."""
+
+    policy: ConductorPolicy
+    links: LinkModels
+    mean_output_tokens: float = 0.0  # moving average of completion lengths (0 = none seen yet)
+
+    def decide(
+        self,
+        now: float,
+        shape: RequestShape,
+        prefix_lens: Mapping[str, int],
+        prefills: Sequence[InstanceState],
+        decodes: Sequence[InstanceState],
+        slo: Slo,
+        colocated: bool,
+    ) -> Plan | Rejection:
+        """Algorithm 1 over the instances as they are now (``prefix_lens``: cached tokens per instance)."""
+        return self.policy.schedule(
+            [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now) for p in prefills],
+            [d.decode_candidate(now) for d in decodes],
+            shape,
+            slo,
+            None if colocated else self.links,
+            colocated=colocated,
+        )
+
+    def book(
+        self, now: float, request_id: Hashable, plan: Plan, shape: RequestShape, max_tokens: int,
+        p: InstanceState, d: InstanceState,
+    ) -> None:  # fmt: skip
+        """Book the request's prefill work on p and its decode footprint (blocks, batch slot) on d."""
+        expected_tokens = max_tokens
+        if self.mean_output_tokens:
+            expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
+        n, e = shape.num_prompt_tokens, plan.prefill
+        p.prefilling.add(request_id, Booking(now, e.t_prefill, n, 0, new_tokens=n - e.prefix_len))
+        d.decoding.add(request_id, Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt))
+
+    @staticmethod
+    def prefill_done(p: InstanceState, request_id: Hashable, now: float) -> None:
+        """The request's prefill finished (or failed): the next one on p starts now."""
+        p.prefilling.prefill_done(request_id, now)
+
+    @staticmethod
+    def decode_started(d: InstanceState, request_id: Hashable, now: float) -> None:
+        """The request's first token is out: it decodes on d from now."""
+        booking = d.decoding.items.get(request_id)
+        if booking is not None and booking.decode_started is None:
+            booking.decode_started = now
+
+    @staticmethod
+    def release(request_id: Hashable, now: float, *instances: InstanceState) -> None:
+        """Forget the request on the instances (finished, failed or cancelled)."""
+        for v in instances:
+            v.prefilling.remove(request_id, now)
+            v.decoding.remove(request_id, now)
+
+    def observe_completion(self, completion_tokens: int) -> None:
+        """A request finished with this many tokens."""
+        previous = self.mean_output_tokens or completion_tokens
+        self.mean_output_tokens = (1 - OUTPUT_WEIGHT) * previous + OUTPUT_WEIGHT * completion_tokens

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,16 +28,17 @@ from bench.compare import report
 from bench.compare.cluster import COLOCATED, DISAGGREGATED
 from bench.compare.measure import measure
 from bench.compare.routers import DEFAULT_CONTENDERS
+from bench.provenance import fresh_out, git_state
 from bench.serve.cli import add_slo_arguments, add_workload_arguments
 from bench.serve.metrics import jsonable
 from cli.local_cluster import REPO
 
-DEFAULT_OUT = "bench/results/compare"
+DEFAULT_OUT = "a fresh folder under runs/bench/"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``bench compare``."""
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--out", help=f"output directory (default {DEFAULT_OUT}; bench/results/compare to update those)")
     p.add_argument("--config", default=str(REPO / "deploy/config.toml"), help="cluster config (default deploy's)")
     p.add_argument(
         "--set",
@@ -72,16 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--cluster-json", help="use this running cluster's cluster.json instead of starting one")
     add_workload_arguments(p, requests_flag="--requests")
     add_slo_arguments(p, ttft=2000.0, tpot=200.0)  # the config's max_ttft_ms and max_tbt_ms  # fmt: skip
-
-
-def git_state() -> str:
-    """HEAD and whether the working tree had changes: the code the clusters ran."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
 def _labelled(measurements: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -124,7 +114,7 @@ def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]
 
 def main(args: argparse.Namespace) -> int:
     """Run ``bench compare``; 0 on success, 1 on a clear error."""
-    out = Path(args.out)
+    out = Path(args.out or fresh_out("compare"))
     out.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     try:

@@ -17,8 +17,6 @@ from scheduler.sim.profiles import GpuSpec, Profile, analytic_gpu, load_profile,
 from scheduler.sim.simulator import SimConfig, Simulator
 from scheduler.sim.trace import DEFAULT_TRACE, load_trace
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "sim"
-
 
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
@@ -40,7 +38,12 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=1.2, help="kv_cache_balancing_threshold")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="results folder (default: a fresh folder under runs/bench/; bench/results/sim to "
+        "update the committed results)",
+    )
 
 
 def make_profile(args: argparse.Namespace) -> Profile:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from bench.provenance import fresh_out, git_state
 from bench.sim.common import add_common_options, make_profile, run_all, write_json
 from bench.sim.plots import plot_overload
 from scheduler.sim.simulator import SimConfig
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = dict(zip(MODES, run_all(configs, profile, args, args.speed), strict=True))
     for run in runs.values():
         run["oscillation"] = oscillation(run["samples"])
+    args.out = args.out or Path(fresh_out("sim"))
     args.out.mkdir(parents=True, exist_ok=True)
     title = (
         f"{profile.name}; {args.prefill}P+{args.decode}D; speed x{args.speed}; "
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_overload(runs, args.out / "overload.png", title)
     record = {
         "command": "python -m bench.sim.overload " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "code": git_state(),
         "trace": str(args.trace),
         "speed": args.speed,
         "profile": profile.to_dict(),

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from bench.provenance import fresh_out, git_state
 from bench.sim.common import add_common_options, make_profile, run_all, write_json
 from bench.sim.plots import plot_policies
 from scheduler.sim.simulator import SIM_POLICIES, SimConfig
@@ -89,27 +91,30 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(configs, profile, args, args.speed)
     wall = time.perf_counter() - t0
     runs = dict(zip(policies, results, strict=True))
+    args.out = args.out or Path(fresh_out("sim"))
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"{args.name}.png"
     plot_policies(runs, PAPER_FIG5, png, f"{profile.name}; {args.prefill}P+{args.decode}D; speed x{args.speed}")
     record = {
         "command": "python -m bench.sim.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "code": git_state(),
         "trace": str(args.trace),
         "speed": args.speed,
         "profile": profile.to_dict(),
         "wall_s_total": wall,
         "paper_figure5_mean_ttft_s": PAPER_FIG5,
-        "peer_rules_note": "dynamo and sglang pick the prefill instance by their rule; decode choice and admission "
-        "are the Conductor's (ConductorPolicy.schedule with that one candidate); colocated runs the Conductor "
-        "policy over prefill+decode instances with no transfers",
+        "peer_rules_note": "dynamo and sglang are prefill rules of ConductorPolicy (scheduler/rules.py), as live: "
+        "they pick the prefill instance, decode choice and admission are the Conductor's; colocated runs Algorithm 1 "
+        "over colocated instances with no transfers",
         "policies": {
             p: {k: v for k, v in r.items() if k not in ("ttft_s", "tbt_s", "samples")} for p, r in runs.items()
         },
     }
     write_json(args.out / f"{args.name}.json", record)
     md = table(runs)
-    (args.out / f"{args.name}.md").write_text(md)
+    (args.out / f"{args.name}.md").write_text(f"Code {record['code']}; `{record['command']}`\n\n{md}")
     print(md)
+    print(f"wrote {args.out}/{args.name}.json, .md, .png")
     for p, r in runs.items():
         print(f"{p:>16}: {r['wall_s']:.1f} s wall, {r['requests_per_s']:.0f} requests (policy calls) simulated per s")
     print(f"total wall time {wall:.1f} s")

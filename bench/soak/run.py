@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.compare.cli import git_state
 from bench.compare.cluster import DISAGGREGATED
+from bench.provenance import fresh_out, git_state
 from bench.serve import metrics
 from bench.serve.client import RequestResult
 from bench.serve.runner import Target, check_target, run
@@ -46,7 +46,7 @@ from bench.soak import report
 from bench.soak.probe import Prober, cluster_processes, worker_addresses
 from cli.local_cluster import REPO, local_cluster
 
-DEFAULT_OUT = "bench/results/soak"
+DEFAULT_OUT = "a fresh folder under runs/bench/"
 DEFAULT_REQUESTS = 150
 SMALL_KV = ("prefill.kv_cache_memory_mb=64", "decode.kv_cache_memory_mb=64")  # as tests/helpers.launch_cluster
 
@@ -142,7 +142,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--fd-flag", type=int, default=8, help="flag growth of open fds after warm-up above this (default 8)"
     )
-    r.add_argument("--out", default=DEFAULT_OUT, help=f"directory for soak.json/.md/.png (default {DEFAULT_OUT})")
+    r.add_argument(
+        "--out", help=f"directory for soak.json/.md/.png (default {DEFAULT_OUT}; bench/results/soak to update those)"
+    )
     r.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
 
@@ -397,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: no report written (the cluster this run started is stopped)", file=sys.stderr)
         return 130
     record = record_of(args, target, n, run_, time.monotonic() - t0)
+    args.out = args.out or fresh_out("soak")
     write(record, Path(args.out))
     print(metrics.format_table(record["summary"]))
     print(f"wrote {args.out}/soak.json, soak.md, soak.png")

@@ -1,0 +1,29 @@
+"""Where a benchmark's results come from and where they go.
+
+Every result records the code it ran (``code``: the commit, and whether the tree had uncommitted
+changes) and the exact command. A run writes into a fresh folder under ``runs/bench/`` unless ``--out``
+names another: committed results under ``bench/results/`` change only when asked for by name.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def git_state() -> str:
+    """HEAD and whether the working tree had changes: the code the run ran."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def fresh_out(kind: str) -> str:
+    """A new folder for one run's outputs: ``runs/bench/<kind>-<timestamp>``."""
+    return str(REPO / "runs" / "bench" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -62,6 +62,7 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    code = git_state()  # before this run writes anything into the tree
     profile = make_profile(args)
     configs = [
         SimConfig(
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_overload(runs, args.out / "overload.png", title)
     record = {
         "command": "python -m bench.sim.overload " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "code": git_state(),
+        "code": code,
         "trace": str(args.trace),
         "speed": args.speed,
         "profile": profile.to_dict(),

@@ -68,6 +68,7 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    code = git_state()  # before this run writes anything into the tree
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(SIM_POLICIES))
     if unknown:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_policies(runs, PAPER_FIG5, png, f"{profile.name}; {args.prefill}P+{args.decode}D; speed x{args.speed}")
     record = {
         "command": "python -m bench.sim.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "code": git_state(),
+        "code": code,
         "trace": str(args.trace),
         "speed": args.speed,
         "profile": profile.to_dict(),

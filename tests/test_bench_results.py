@@ -66,7 +66,8 @@ def test_sim_readme_prose_numbers_come_from_the_json():
         f"rejection counts are equal ({sum(overload['plain']['rejections'].values())}",
         f"std {_load('overload.json')['runs']['prediction']['oscillation']['decode_step_std_s'] * 1e3:.2f} vs "
         f"{_load('overload.json')['runs']['plain']['oscillation']['decode_step_std_s'] * 1e3:.2f} ms",
-        f"p99 TBT drops from {overload['plain']['tbt']['p99'] * 1e3:.1f} to {overload['prediction']['tbt']['p99'] * 1e3:.1f} ms",
+        f"p99 TBT drops from {overload['plain']['tbt']['p99'] * 1e3:.1f} to "
+        f"{overload['prediction']['tbt']['p99'] * 1e3:.1f} ms",
     ]
     missing = [c for c in claims if c not in readme]
     assert not missing, f"README.md disagrees with the JSON: {missing}"

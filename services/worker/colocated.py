@@ -10,10 +10,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvconductor.v1 import colocated_pb2, colocated_pb2_grpc, decode_pb2
+from kvconductor.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2
 from services.common.rpc import Service
-from services.worker.decode import token_chunk
-from services.worker.worker import Worker, sampling_from_proto
+from services.worker.worker import Worker, sampling_from_proto, token_chunk
 
 
 class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
@@ -24,7 +23,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
 
     async def Generate(  # noqa: N802
         self, request: colocated_pb2.ColocatedRequest, context: Any
-    ) -> AsyncIterator[decode_pb2.TokenChunk]:
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
         """Prefill and decode one request, streaming tokens (cached prompt tokens on the first chunk)."""
         w, rid = self.worker, request.request_id
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)

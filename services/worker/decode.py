@@ -27,15 +27,9 @@ from opentelemetry import trace
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common import metrics
 from services.common.rpc import RpcError, Service
-from services.worker.worker import FINISH_REASONS, Worker, sampling_from_proto
+from services.worker.worker import Worker, sampling_from_proto, token_chunk
 
 log = logging.getLogger(__name__)
-
-
-def token_chunk(token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0) -> decode_pb2.TokenChunk:
-    """One streamed message."""
-    reason = FINISH_REASONS[finish_reason] if finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED
-    return decode_pb2.TokenChunk(token_ids=token_ids, finish_reason=reason, num_cached_tokens=num_cached_tokens)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -82,7 +76,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
 
-    async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.TokenChunk]:  # noqa: N802
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:  # noqa: N802
         """Join the batch with token 0 and stream the following tokens."""
         w, rid = self.worker, request.request_id
         if self.reservations.pop(rid, None) is None:

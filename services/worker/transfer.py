@@ -100,12 +100,6 @@ class KVTransferEngine:
         if status != 0:
             raise RuntimeError(f"register_memory({ptr:#x}, {nbytes}) returned {status}")
 
-    def unregister(self, ptr: int) -> None:
-        """Unregister a region registered with `register`."""
-        status = self._engine.unregister_memory(ptr)
-        if status != 0:
-            raise RuntimeError(f"unregister_memory({ptr:#x}) returned {status}")
-
     def write_blocks(
         self, peer_endpoint: str, src_addrs: Sequence[int], dst_addrs: Sequence[int], length: int
     ) -> TransferResult:

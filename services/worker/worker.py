@@ -166,6 +166,12 @@ FINISH_REASONS = {
 }
 
 
+def token_chunk(token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0) -> common_pb2.TokenChunk:
+    """One streamed message."""
+    reason = FINISH_REASONS[finish_reason] if finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED
+    return common_pb2.TokenChunk(token_ids=token_ids, finish_reason=reason, num_cached_tokens=num_cached_tokens)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """``Worker.GetLoad``."""
 

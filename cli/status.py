@@ -101,8 +101,9 @@ def print_decision(config: Config, request_id: str) -> int:
     verdict = "REJECTED" if d.rejected else f"prefill {d.prefill_instance} -> decode {d.decode_instance}"
     print(f"request {d.request_id} ({d.policy}): {verdict}")
     print(f"  {d.reason}")
-    print(f"  best_len {d.best_len} on {d.best_instance or '-'}; predicted TTFT {d.predicted_ttft_ms:.1f} ms, "
-          f"TBT {d.predicted_tbt_ms:.1f} ms")  # fmt: skip
+    print(f"  best_len {d.best_len} on {d.best_instance or '-'}; predicted TTFT {d.predicted_ttft_ms:.1f} ms "
+          f"(learned overhead {d.ttft_overhead_ms:.1f} ms included), TBT {d.predicted_tbt_ms:.1f} ms"
+          + ("; admitted as a probe (idle instances)" if d.probe else ""))  # fmt: skip
     o = d.outcome
     if o.ttft_ms:
         copied = f", copied {o.copied_tokens} in {o.kv_copy_ms:.1f} ms" if o.copied_tokens else ""

@@ -4,10 +4,10 @@ Predicted TTFT = the chosen instance's estimate (T_queue + T_transfer + T_prefil
 where the overhead covers what no instance model sees: tokenizing, the kvmeta lookup, the decode
 reservation, gRPC hops and relaying. It is learned from measured requests by these rules:
 
-* A sample is what the instances cannot account for: the measured TTFT less the time the prefill
-  worker reports for the request (its queue wait included), or, where no such report exists (the
-  colocated path), less the instance's estimate, and only for requests that found the instance idle.
-  Either way queueing that the instance models predict (or should have) never enters the overhead.
+* A sample comes only from a request that found its prefill instance idle (nothing booked ahead of it),
+  and is what the instances cannot account for: the measured TTFT less the time the prefill worker
+  reports for the request, or, where no such report exists (the colocated path), less the instance's
+  estimate. Queueing, at the instance or in a busy Conductor, never enters the overhead.
 * The overhead is the median of the samples of the last ``horizon_s`` seconds (at most ``window``):
   one slow request does not move it, and without fresh samples it decays to zero.
 * It is clamped to ``[0, cap_s]``.
@@ -25,7 +25,7 @@ class TtftOverhead:
     """Median of recent overhead samples, bounded."""
 
     cap_s: float
-    horizon_s: float = 60.0
+    horizon_s: float = 30.0
     window: int = 64
     _samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, seconds)
 

@@ -23,7 +23,7 @@ from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 pytestmark = pytest.mark.e2e
 PROMPT_TOKENS = 600
 MAX_TOKENS = 16
-SLO_MS = 1000
+SLO_MS = 3000  # a 600-token prompt alone takes 0.15-1 s here, busy machine or not
 
 
 @dataclass
@@ -76,17 +76,25 @@ async def _drive(conductor: str, rate: float, seconds: float, seed: int) -> list
         return list(await asyncio.gather(*tasks))
 
 
+async def _sequential(conductor: str, count: int, seed: int) -> list[Outcome]:
+    rng = random.Random(seed)
+    async with grpc.aio.insecure_channel(conductor) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        return [await _one(stub, rng) for _ in range(count)]
+
+
 def _measured_ttft_ms(conductor: str, request_id: str) -> float:
     with grpc.insecure_channel(conductor) as channel:
         decision = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
             conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=10
         )
+    assert decision.outcome.ttft_ms > 0, f"no measured TTFT recorded for {request_id}"
     return decision.outcome.ttft_ms
 
 
 def test_an_overload_burst_does_not_lock_admission_out(small):
     # Capacity: the prefill worker runs prompts one at a time, so it is about 1 / (prefill time of one).
-    warm = asyncio.run(_drive(small.conductor, rate=2, seconds=3, seed=0))
+    warm = asyncio.run(_sequential(small.conductor, 4, seed=0))  # one at a time: TTFT = the prefill alone
     assert all(o.admitted for o in warm)
     prefill_s = statistics.median(_measured_ttft_ms(small.conductor, o.request_id) for o in warm) / 1e3
     capacity = 1 / prefill_s
@@ -96,9 +104,7 @@ def test_an_overload_burst_does_not_lock_admission_out(small):
     steady = asyncio.run(_drive(small.conductor, rate=0.3 * capacity, seconds=25, seed=2))
     admitted = [o for o in steady if o.admitted]
     assert len(admitted) >= 0.95 * len(steady), f"{len(steady) - len(admitted)} of {len(steady)} rejected"
-    errors = [
-        abs(o.predicted_ttft_ms - measured) / measured
-        for o in admitted
-        if (measured := _measured_ttft_ms(small.conductor, o.request_id)) > 0
-    ]
-    assert statistics.median(errors) <= 0.25, f"median TTFT prediction error {statistics.median(errors):.0%}"
+    pairs = [(o.predicted_ttft_ms, _measured_ttft_ms(small.conductor, o.request_id)) for o in admitted]
+    error = statistics.median(abs(p - m) / m for p, m in pairs)
+    shown = ", ".join(f"{p:.0f}/{m:.0f}" for p, m in pairs)
+    assert error <= 0.25, f"median TTFT prediction error {error:.0%} (predicted/measured ms: {shown})"

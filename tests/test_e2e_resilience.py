@@ -36,7 +36,7 @@ from services.worker.main import EXIT_ENGINE_DIED, FAULT_INJECTION_ENV
 
 pytestmark = pytest.mark.e2e
 PD, COLOCATED = conductor_pb2.DEPLOYMENT_DISAGGREGATED, conductor_pb2.DEPLOYMENT_COLOCATED
-STALL_S = 3.0  # [scheduler] stall_timeout_s of this cluster
+STALL_S = 8.0  # [scheduler] stall_timeout_s of this cluster (slow steps on a busy machine are not stalls)
 STORM = 200  # streams cancelled at random moments, half through gRPC (both deployments), half through REST
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "colocated-0")
 

@@ -278,17 +278,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         the failure). The failed instance is excluded for this request and avoided by others for a while.
         """
         for number in range(1, self.config.scheduler.max_attempts + 1):
+            job.attempt = number
             try:
                 async for piece in attempt(job):
                     job.generated += piece.token_ids
                     yield piece
                 return
             except WorkerFailure as failure:
-                job.failed.add(failure.instance_id)
-                if failure.stalled:
+                if failure.stalled:  # no new work there until its engine moves; then it may serve the retry too
                     metrics.STALLS.labels(job.phase, failure.instance_id).inc()
                     self.view.suspect(failure.instance_id)
                 else:
+                    job.failed.add(failure.instance_id)
                     self.view.quarantine(failure.instance_id, self.config.cluster.lease_ttl_s + 1.0)
                 trace.get_current_span().add_event(
                     "kvconductor.retry", {"attempt": number, "failed": str(failure), "streamed": len(job.generated)}
@@ -324,7 +325,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             with blame(d.instance_id):
                 call = d.decode_stub.Decode(
                     decode_pb2.DecodeRequest(
-                        request_id=job.request_id,
+                        request_id=job.worker_request_id,
                         prompt_token_ids=tokens,
                         first_token_id=first.first_token_id,
                         sampling=sampling,
@@ -378,12 +379,15 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             with blame(d.instance_id):
                 reserved = await d.decode_stub.Reserve(
                     decode_pb2.ReserveRequest(
-                        request_id=job.request_id, num_prompt_tokens=len(tokens), sampling=sampling
+                        request_id=job.worker_request_id, num_prompt_tokens=len(tokens), sampling=sampling
                     ),
                     timeout=self.config.scheduler.stall_timeout_s,
                 )
             request = prefill_pb2.PrefillRequest(
-                request_id=job.request_id, prompt_token_ids=tokens, sampling=sampling, destination=reserved.target
+                request_id=job.worker_request_id,
+                prompt_token_ids=tokens,
+                sampling=sampling,
+                destination=reserved.target,
             )
             source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
             if source is not None:
@@ -417,7 +421,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
         async def release() -> None:
             with contextlib.suppress(Exception):  # a closed channel, a cut link, a dead worker
-                await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.request_id), timeout=5.0)
+                await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.worker_request_id), timeout=5.0)
 
         task = asyncio.ensure_future(release())
         self._background.add(task)
@@ -460,7 +464,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         c = self.view.instances[plan.prefill.instance_id]
         self._assign(job, plan, c, c)
         request = colocated_pb2.ColocatedRequest(
-            request_id=job.request_id, prompt_token_ids=job.tokens, sampling=job.attempt_sampling
+            request_id=job.worker_request_id, prompt_token_ids=job.tokens, sampling=job.attempt_sampling
         )
         job.phase = "colocated"
         with blame(c.instance_id):
@@ -502,9 +506,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                             prompt_tokens=len(job.prompt), completion_tokens=completion, cached_tokens=cached
                         )
                     )
+                    # Before the client sees the end: an ExplainDecision right after it finds the outcome.
+                    self._observe(job, times, completion, cached)
                 yield response
                 if final:
-                    self._observe(job, times, completion, cached)
                     return
         finally:
             await pieces.aclose()
@@ -550,11 +555,11 @@ def _overhead_sample(job: Job, ttft: float) -> float | None:
     """The part of a request's TTFT that no instance model sees (rules in scheduler/ttft_overhead.py)."""
     if job.plan is None or job.failed:  # a resumed request's first token came from another attempt
         return None
-    if job.worker_ttft is not None:  # what the prefill worker spent, its queue included
+    if job.plan.prefill.t_queue > 0:  # only requests that found the instance idle: no queueing enters it
+        return None
+    if job.worker_ttft is not None:  # what the prefill worker spent
         return ttft - job.worker_ttft
-    if job.plan.prefill.t_queue == 0:  # colocated: only requests that found the instance idle
-        return ttft - job.plan.prefill.ttft
-    return None
+    return ttft - job.plan.prefill.ttft  # colocated: no report, so the instance's estimate
 
 
 def services(servicer: ConductorServicer) -> list[Service]:

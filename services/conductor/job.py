@@ -36,6 +36,7 @@ class Job:
     decision: conductor_pb2.Decision | None = None
     generated: list[int] = field(default_factory=list)  # tokens streamed so far (a resumed attempt continues them)
     failed: set[str] = field(default_factory=set)  # instances that failed this request
+    attempt: int = 1  # the current attempt, from 1
     phase: str = ""  # what the current attempt waits for: "prefill", "decode" or "colocated" (watchdog, metrics)
     worker_ttft: float | None = None  # seconds the prefill worker reported for token 0 (queue included)
 
@@ -43,6 +44,16 @@ class Job:
     def tokens(self) -> list[int]:
         """What the current attempt prefills: the prompt, plus the tokens already streamed."""
         return self.prompt + self.generated
+
+    @property
+    def worker_request_id(self) -> str:
+        """The id workers know this attempt by: the request id, then ``<id>.<attempt>`` for a resumed one.
+
+        A resumed attempt may land on a worker the previous one used (the decode worker of a stalled
+        prefill, a stalled worker that moved again) while that attempt's reservation or request is still
+        being released there; distinct ids keep the two apart.
+        """
+        return self.request_id if self.attempt <= 1 else f"{self.request_id}.{self.attempt}"
 
     @property
     def attempt_sampling(self) -> common_pb2.SamplingParams:

@@ -418,10 +418,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
         Best effort: a dead d has lost them anyway, and a live one frees them after kv_transfer_timeout_s.
         """
+        request = decode_pb2.ReleaseRequest(request_id=job.worker_request_id)  # this attempt's, not the next's
 
         async def release() -> None:
             with contextlib.suppress(Exception):  # a closed channel, a cut link, a dead worker
-                await d.decode_stub.Release(decode_pb2.ReleaseRequest(request_id=job.worker_request_id), timeout=5.0)
+                await d.decode_stub.Release(request, timeout=5.0)
 
         task = asyncio.ensure_future(release())
         self._background.add(task)

@@ -13,6 +13,8 @@ import openai
 import pytest
 from helpers import launch_cluster, stop_cluster
 
+from cli.client import ConductorClient
+
 pytestmark = pytest.mark.e2e
 MAX_TTFT_S = 1.0
 MAX_TBT_S = 0.1
@@ -32,7 +34,7 @@ def slo_cluster(tmp_path_factory, model_dir):
         stop_cluster(c.process)
 
 
-async def _one(client, prompt):
+async def _one(client, request_id, prompt):
     start = time.monotonic()
     try:
         stream = await client.completions.create(
@@ -42,12 +44,13 @@ async def _one(client, prompt):
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": request_id},
         )
         arrivals = [time.monotonic() async for chunk in stream if chunk.choices and chunk.choices[0].text]
     except openai.RateLimitError as e:
         assert e.response.headers.get("x-should-retry") == "false"  # SDKs must not retry an SLO rejection
         return ("rejected", str(e))
-    return ("accepted", arrivals[0] - start, arrivals)
+    return ("accepted", arrivals[0] - start, arrivals, request_id)
 
 
 def test_overload_gets_429_with_reasons_and_accepted_requests_meet_the_slo(slo_cluster):
@@ -62,7 +65,7 @@ def test_overload_gets_429_with_reasons_and_accepted_requests_meet_the_slo(slo_c
 
     async def burst():
         async with openai.AsyncOpenAI(base_url=slo_cluster.rest, api_key="unused", max_retries=0) as client:
-            return await asyncio.gather(*(_one(client, p) for p in prompts))
+            return await asyncio.gather(*(_one(client, f"burst-{i}", p) for i, p in enumerate(prompts)))
 
     results = asyncio.run(burst())
     rejected = [r[1] for r in results if r[0] == "rejected"]
@@ -70,9 +73,15 @@ def test_overload_gets_429_with_reasons_and_accepted_requests_meet_the_slo(slo_c
     assert rejected, "a burst of 12 long prompts on one prefill worker must overflow a 1 s TTFT SLO"
     assert accepted
     assert all("predicted TTFT" in reason and "exceeds the SLO of 1000 ms" in reason for reason in rejected)
-    ttfts = [r[1] for r in accepted]
+    # A probe is admitted although its prediction misses the SLO (its instances were idle, so it relearns the
+    # models); the SLO promise holds for the others. Only the burst's first request can find the worker idle.
+    with ConductorClient(slo_cluster.conductor) as conductor:
+        probes = {r[3] for r in accepted if conductor.explain(r[3]).probe}
+    assert len(probes) <= 1
+    promised = [r for r in accepted if r[3] not in probes]
+    ttfts = [r[1] for r in promised] or [0.0]
     assert statistics.median(ttfts) <= MAX_TTFT_S * TOLERANCE
     assert max(ttfts) <= MAX_TTFT_S * 2
-    for _, _, arrivals in accepted:
+    for _, _, arrivals, _ in promised:
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
         assert statistics.mean(gaps) <= MAX_TBT_S * TOLERANCE

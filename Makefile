@@ -11,7 +11,7 @@ TE_LIBS := libibverbs1 librdmacm1 libnuma1
 FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install protos lint format typecheck test test-contended fuzz run model clean all
+.PHONY: help install protos lint format typecheck test test-fast test-contended fuzz run model clean all
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -46,17 +46,20 @@ format: install ## Apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-typecheck: install ## mypy (strict on scheduler/ and engine/)
-	$(BIN)/mypy scheduler engine services
+typecheck: install ## mypy, strict on every package
+	$(BIN)/mypy scheduler engine services cli bench
 
 test: install ## Run the test suite (starts its own etcd and services)
 	$(BIN)/pytest
 
+test-fast: install ## The unit and integration tests only (in-process; about a minute)
+	$(BIN)/pytest tests/unit tests/integration
+
 test-contended: install ## The end-to-end tests with a busy loop on every core (a noisy neighbour)
-	$(BIN)/python tests/cpu_hog.py -- $(BIN)/pytest -m e2e
+	$(BIN)/python tests/cpu_hog.py -- $(BIN)/pytest tests/e2e
 
 fuzz: install ## Fuzz the REST shim and gRPC API with FUZZ_EXAMPLES per test (make test runs 25)
-	KVCONDUCTOR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest tests/test_fuzz_rest.py tests/test_fuzz_grpc.py
+	KVCONDUCTOR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest tests/e2e/test_fuzz_rest.py tests/e2e/test_fuzz_grpc.py
 
 run: install ## Start a whole local cluster from $(CONFIG) and serve until Ctrl-C
 	$(BIN)/kvconductor up --config $(CONFIG)

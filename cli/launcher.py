@@ -183,7 +183,7 @@ class Cluster:
             self.config.cluster.etcd_endpoints, self.config.cluster.name, auth=etcd_auth(self.config)
         ) as registry:
             records = registry.list()
-        return sorted((i, r["metrics_address"]) for (_, i), r in records.items() if r.get("metrics_address"))
+        return sorted((i, r.metrics_address) for (_, i), r in records.items() if r.metrics_address)
 
     def dead_children(self) -> list[Child]:
         """Processes that have exited."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import grpc
 
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.config import Config
+from services.common.instance_record import InstanceRecord, WorkerRecord
 from services.common.rpc import sync_channel
 from services.conductor.prediction_errors import DEFAULT_WINDOW_S
 
@@ -27,8 +29,19 @@ COLUMNS = (
 STALLED_ENGINE_S = 5.0  # an engine loop that has not turned for this long is shown as stalled
 
 
+def _conductor(config: Config, method: str, request: Any) -> Any:
+    """One call to the Conductor (raises grpc.RpcError)."""
+    with sync_channel(config.cluster.scheduler_endpoint) as channel:
+        return getattr(conductor_pb2_grpc.ConductorStub(channel), method)(request, timeout=5.0)
+
+
+def _record(instance: conductor_pb2.InstanceStatus) -> WorkerRecord:
+    record = InstanceRecord.from_json(json.loads(instance.record_json))
+    assert isinstance(record, WorkerRecord), f"{instance.instance_id} is not a worker"
+    return record
+
+
 def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
-    record = json.loads(instance.record_json)
     try:
         with sync_channel(instance.address) as channel:
             load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
@@ -45,9 +58,9 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
         running = str(load.num_running)
     except grpc.RpcError as e:
         health, blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-", "-"
-    model = record["cost_model"]
-    costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model["prefill"])
-    costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model["decode"])
+    model = _record(instance).costs
+    costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model.prefill.to_dict())
+    costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model.decode.to_dict())
     return (instance.role, instance.instance_id, health, instance.address, blocks, running, hit_rate,
             f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
 
@@ -55,10 +68,7 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
 def print_status(config: Config, window_s: float = 0.0) -> int:
     """Print the table (errors and latencies over the last ``window_s``; 0 = 300 s); 1 when unreachable."""
     try:
-        with sync_channel(config.cluster.scheduler_endpoint) as channel:
-            status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(
-                conductor_pb2.GetStatusRequest(window_s=window_s), timeout=5.0
-            )
+        status = _conductor(config, "GetStatus", conductor_pb2.GetStatusRequest(window_s=window_s))
     except grpc.RpcError as e:
         print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
         return 1
@@ -73,9 +83,7 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
             f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors
         )
         print(f"  cost-model median relative error: {errors}")
-    metrics = ", ".join(
-        f"{i.instance_id} http://{json.loads(i.record_json).get('metrics_address')}/metrics" for i in status.instances
-    )
+    metrics = ", ".join(f"{i.instance_id} http://{_record(i).metrics_address}/metrics" for i in status.instances)
     print(f"metrics: {metrics}")
     overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
     print(f"learned TTFT overhead: {overheads}")
@@ -91,10 +99,7 @@ def _table(rows: list[tuple[str, ...]]) -> None:
 def print_decision(config: Config, request_id: str) -> int:
     """Print one request's decision; 1 when it is unknown or the Conductor unreachable."""
     try:
-        with sync_channel(config.cluster.scheduler_endpoint) as channel:
-            d = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
-                conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=5.0
-            )
+        d = _conductor(config, "ExplainDecision", conductor_pb2.ExplainDecisionRequest(request_id=request_id))
     except grpc.RpcError as e:
         print(f"no decision: {e.details() or e.code().name}")
         return 1

@@ -1,15 +1,25 @@
-"""Shared fixtures: the default model made once per session, and whole clusters launched with `kvconductor up`."""
+"""Shared by every kind of test: the kind (unit, integration, e2e) is the folder, and one test model per session.
+
+``pytest tests/unit`` or ``pytest -m unit`` select a kind; the markers come from the folders.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import LocalCluster, launch_cluster, stop_cluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+KINDS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its kind, the name of its folder."""
+    for item in items:
+        kind = item.path.parent.name
+        assert kind in KINDS, f"{item.path}: tests live in tests/unit, tests/integration or tests/e2e"
+        item.add_marker(getattr(pytest.mark, kind))
 
 
 @pytest.fixture(scope="session")
@@ -23,20 +33,3 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("model") / "tiny-llama"
     make_model(path)
     return path
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
-    """Two prefill, one decode and one colocated worker behind the Conductor and the gateway."""
-    run_dir = tmp_path_factory.mktemp("cluster") / "run"
-    # SLOs far beyond any latency here: these tests are about behaviour, and a busy machine must not turn a
-    # long prompt into an admission rejection (admission has its own tests and clusters).
-    slos = ("prefill.max_ttft_ms=60000", "colocated.max_ttft_ms=60000", "decode.max_tbt_ms=10000",
-            "colocated.max_tbt_ms=10000")  # fmt: skip
-    c = launch_cluster(
-        run_dir, model_dir, "prefill.node_count=2", "decode.node_count=1", "colocated.node_count=1", *slos
-    )
-    try:
-        yield c
-    finally:
-        stop_cluster(c.process)

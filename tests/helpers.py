@@ -80,7 +80,7 @@ def kvmeta_matches(cluster, block_hashes):
     from services.common.registry import Registry
 
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        addresses = [record["address"] for record in registry.list("kvmeta").values()]
+        addresses = [record.address for record in registry.list("kvmeta").values()]
     for address in reversed(addresses):  # the newest first: an old kvmeta may be dead but not yet expired
         with grpc.insecure_channel(address) as channel:
             try:

@@ -165,13 +165,14 @@ class WorkerInfo:
 
 def colocated_workers(manifest: dict[str, Any]) -> list[WorkerInfo]:
     """The colocated workers registered in the cluster that ``manifest`` (cluster.json) describes."""
+    from services.common.instance_record import WorkerRecord
     from services.common.registry import Registry
 
     records = Registry(manifest["etcd"], manifest["cluster"]).list("colocated")
     workers = [
-        WorkerInfo(instance_id, record["openai_url"], record.get("metrics_address", ""))
+        WorkerInfo(instance_id, record.openai_url, record.metrics_address)
         for (_, instance_id), record in sorted(records.items())
-        if record.get("openai_url")
+        if isinstance(record, WorkerRecord) and record.openai_url
     ]
     if not workers:
         raise RuntimeError("no colocated worker with an openai_url in etcd (is colocated.node_count > 0?)")

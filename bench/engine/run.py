@@ -73,7 +73,7 @@ class HFRunner:
     def __init__(self, model_dir: Path) -> None:
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = 0
 

@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 
 from kvconductor.v1 import worker_pb2, worker_pb2_grpc
+from services.common.instance_record import WORKER_ROLES
 from services.common.registry import Registry
 
-WORKER_ROLES = ("prefill", "decode", "colocated")
 GET_LOAD_TIMEOUT_S = 5.0
 
 
@@ -56,7 +56,7 @@ def worker_addresses(manifest: dict[str, Any]) -> dict[str, str]:
     """{instance id: gRPC address} of every engine worker registered in etcd now."""
     with Registry(manifest["etcd"], manifest["cluster"]) as registry:
         records = registry.list()
-    return {iid: rec["address"] for (role, iid), rec in sorted(records.items()) if role in WORKER_ROLES}
+    return {iid: rec.address for (role, iid), rec in sorted(records.items()) if role in WORKER_ROLES}
 
 
 @dataclass

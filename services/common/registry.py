@@ -1,8 +1,8 @@
 """Service registry on etcd: instances announce themselves under a lease, others watch.
 
-One key per live instance, its value the JSON of a caller-defined record::
+One key per live instance, its value the JSON of its ``InstanceRecord``::
 
-    /kvconductor/<cluster>/instances/<role>/<instance_id>  ->  {"endpoint": ..., ...}
+    /kvconductor/<cluster>/instances/<role>/<instance_id>  ->  {"role": ..., "address": ..., ...}
 
 A key lives while its owner keeps the lease alive: `close()` revokes it (the key goes at
 once), a crashed owner's key expires within `ttl`. The owner never gives up: while etcd is
@@ -28,9 +28,10 @@ from typing import Any, Literal
 
 import pyetcd
 
+from services.common.instance_record import InstanceRecord, RecordError
+
 _log = logging.getLogger(__name__)
 
-Record = dict[str, Any]
 InstanceKey = tuple[str, str]
 
 # Pings detect a hung (not dead) etcd; etcd refuses pings more often than every 5 s.
@@ -44,7 +45,7 @@ class InstanceEvent:
     kind: Literal["put", "delete"]
     role: str
     instance_id: str
-    record: Record | None
+    record: InstanceRecord | None
 
 
 def _parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -63,17 +64,22 @@ def _backoff(failures: int, cap: float) -> float:
     return cap if failures == 0 else float(min(cap, 0.1 * 2**failures))
 
 
-def _decode(prefix: str, kvs: Sequence[Any], roles: Collection[str] | None = None) -> dict[InstanceKey, Record]:
-    """Map the registry keys among `kvs` to their records, skipping foreign and non-JSON keys."""
-    records: dict[InstanceKey, Record] = {}
+def _decode(
+    prefix: str, kvs: Sequence[Any], roles: Collection[str] | None = None
+) -> dict[InstanceKey, InstanceRecord | None]:
+    """Map the registry keys among `kvs` to their records (None for a delete), skipping foreign and bad keys."""
+    records: dict[InstanceKey, InstanceRecord | None] = {}
     for kv in kvs:
         parts = kv.key.decode()[len(prefix) :].split("/")
         if len(parts) != 2 or (roles is not None and parts[0] not in roles):
             continue
+        if not kv.value:  # a delete
+            records[(parts[0], parts[1])] = None
+            continue
         try:
-            records[(parts[0], parts[1])] = json.loads(kv.value or b"{}")  # a delete has no value
-        except ValueError:
-            _log.warning("registry: ignoring %s, its value is not JSON", kv.key.decode())
+            records[(parts[0], parts[1])] = InstanceRecord.from_json(json.loads(kv.value))
+        except (ValueError, RecordError) as e:
+            _log.warning("registry: ignoring %s, its value is not an instance record (%s)", kv.key.decode(), e)
     return records
 
 
@@ -126,7 +132,7 @@ class RegistryWatch:
         self._callback = callback
         self._roles = set(roles) if roles is not None else None
         self._timeout = timeout
-        self._known: dict[InstanceKey, Record] = {}
+        self._known: dict[InstanceKey, InstanceRecord] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-watch", daemon=True)
         self._thread.start()
@@ -170,12 +176,12 @@ class RegistryWatch:
                     if isinstance(event, pyetcd.events.DeleteEvent):
                         self._known.pop(key, None)
                         self._emit(InstanceEvent("delete", *key, None))
-                    else:
+                    elif record is not None:
                         self._known[key] = record
                         self._emit(InstanceEvent("put", *key, record))
 
     def _resync(self, kvs: Sequence[Any]) -> None:
-        present = _decode(self._prefix, kvs, self._roles)
+        present = {k: r for k, r in _decode(self._prefix, kvs, self._roles).items() if r is not None}
         for role, instance_id in set(self._known) - set(present):
             self._emit(InstanceEvent("delete", role, instance_id, None))
         self._known = present
@@ -212,35 +218,35 @@ class Registry:
         self._client: Any = None
         self._lease_id: int | None = None
         self._key: str | None = None
-        self._record: Record = {}
+        self._record: InstanceRecord | None = None
         self._dirty = False
         self._failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watches: builtins.list[RegistryWatch] = []
 
-    def register(self, role: str, instance_id: str, record: Record) -> None:
+    def register(self, record: InstanceRecord) -> None:
         """Publish `record` under a lease and keep it alive from a daemon thread.
 
         Does not raise when etcd is unreachable: the keep-alive thread retries until
         etcd answers. Raises RuntimeError if this registry already registered.
         """
-        _check_name("role", role)
-        _check_name("instance_id", instance_id)
+        _check_name("role", record.role)
+        _check_name("instance_id", record.instance_id)
         if self._key is not None:
             raise RuntimeError(f"this Registry already registered {self._key}")
-        self._key = f"{self.prefix}{role}/{instance_id}"
-        self._record = dict(record)
+        self._key = f"{self.prefix}{record.role}/{record.instance_id}"
+        self._record = record
         self._try_sync()
         self._thread = threading.Thread(target=self._keepalive_loop, name="registry-lease", daemon=True)
         self._thread.start()
 
-    def update(self, record: Record) -> None:
+    def update(self, record: InstanceRecord) -> None:
         """Replace the published record (under the current lease; retried if etcd is down)."""
         if self._key is None:
             raise RuntimeError("update() before register()")
         with self._lock:
-            self._record = dict(record)
+            self._record = record
             self._dirty = True
         self._try_sync()
 
@@ -279,7 +285,7 @@ class Registry:
         self._watches.append(handle)
         return handle
 
-    def list(self, role: str | None = None) -> dict[InstanceKey, Record]:
+    def list(self, role: str | None = None) -> dict[InstanceKey, InstanceRecord]:
         """Return {(role, instance_id): record} of the instances registered now."""
         prefix = self.prefix if role is None else f"{self.prefix}{role}/"
         client = connect(self._endpoints, self._rpc_timeout, self._auth)
@@ -287,7 +293,7 @@ class Registry:
             kvs = client.get_prefix_response(prefix).kvs
         finally:
             client.close()
-        return _decode(self.prefix, kvs)
+        return {k: r for k, r in _decode(self.prefix, kvs).items() if r is not None}
 
     def _keepalive_loop(self) -> None:
         # Refresh three times per TTL; after a failure retry sooner, backing off up to that.
@@ -319,8 +325,8 @@ class Registry:
         if self._lease_id is None:
             self._lease_id = self._client.lease(self.ttl).id
             self._dirty = True
-        if self._dirty:
-            self._client.put(self._key, json.dumps(self._record), lease=self._lease_id)
+        if self._dirty and self._record is not None:
+            self._client.put(self._key, json.dumps(self._record.to_json()), lease=self._lease_id)
             self._dirty = False
 
     def _drop_client(self) -> None:

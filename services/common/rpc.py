@@ -30,6 +30,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, get_current_span, use_span
 
+from services.common.instance_record import InstanceRecord
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry
 from services.common.telemetry import extract_context, inject_metadata, tracer
@@ -263,7 +264,7 @@ async def serve(
     registry: Registry | None = None,
     role: str = "",
     instance_id: str = "",
-    record: Callable[[str, str], dict[str, Any]] | None = None,
+    record: Callable[[str, str], InstanceRecord] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
     metrics_port: int | None = 0,
@@ -271,7 +272,9 @@ async def serve(
     live: Callable[[], bool] | None = None,
     fatal: asyncio.Future[Any] | None = None,
 ) -> bool:
-    """Serve until SIGTERM/SIGINT or ``fatal`` resolves; ``record(address, metrics_address)`` builds the etcd record.
+    """Serve until SIGTERM/SIGINT or ``fatal`` resolves, registered in ``registry`` (when given).
+
+    The etcd record is ``record(address, metrics_address)``, by default the plain ``InstanceRecord``.
 
     ``/metrics`` is served on ``metrics_port`` (0 = any free; None = not at all). ``on_bound(address)``
     runs once the server listens, before the instance registers. ``live()`` is polled and drives the
@@ -303,8 +306,9 @@ async def serve(
         metrics_address = serve_metrics(host, metrics_port) if metrics_port is not None else ""
         if on_bound is not None:
             await on_bound(address)
-        if registry is not None and record is not None:
-            await asyncio.to_thread(registry.register, role, instance_id, record(address, metrics_address))
+        if registry is not None:
+            make = record or (lambda a, m: InstanceRecord(role, instance_id, a, m))
+            await asyncio.to_thread(registry.register, make(address, metrics_address))
         log.info("%s %s serving on %s", role or "service", instance_id, address)
         graceful = await _wait_for_stop(fatal)
         if graceful:

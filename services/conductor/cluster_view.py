@@ -11,18 +11,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
 from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler.cost_model import DecodeModel, PrefillModel
 from scheduler.instance import InstanceState
+from services.common.instance_record import WORKER_ROLES, WorkerRecord
 from services.common.registry import InstanceEvent
 from services.common.rpc import channel
 
 log = logging.getLogger(__name__)
-WORKER_ROLES = ("prefill", "decode", "colocated")
 CHANNEL_CLOSE_GRACE_S = 120.0
 
 
@@ -30,7 +28,7 @@ CHANNEL_CLOSE_GRACE_S = 120.0
 class InstanceView:
     """One worker instance: its record, a channel to it, and its state in the Conductor core."""
 
-    record: dict[str, Any]
+    record: WorkerRecord
     channel: grpc.aio.Channel
     state: InstanceState
 
@@ -60,24 +58,17 @@ class InstanceView:
         return colocated_pb2_grpc.ColocatedStub(self.channel)
 
 
-def _state(role: str, instance_id: str, record: dict[str, Any], old: InstanceState | None) -> InstanceState:
+def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
     """The core's state from a record; bookings carry over from the instance's previous record."""
-    cost_model = record["cost_model"]
+    costs = record.costs
     state = InstanceState(
-        instance_id, role, PrefillModel.from_dict(cost_model["prefill"]), DecodeModel.from_dict(cost_model["decode"]),
-        num_blocks=int(record["num_blocks"]), max_running=int(record["max_concurrent_requests"]),
-        chunk_tokens=int(record["max_num_batched_tokens"]), profile=_profile(cost_model),
+        record.instance_id, record.role, costs.prefill, costs.decode, num_blocks=record.num_blocks,
+        max_running=record.max_concurrent_requests, chunk_tokens=record.max_num_batched_tokens,
+        profile=(costs.profile_prefill, costs.profile_decode),
     )  # fmt: skip
     if old is not None:
         state.prefilling, state.decoding = old.prefilling, old.decoding
     return state
-
-
-def _profile(cost_model: dict[str, Any]) -> tuple[PrefillModel, DecodeModel] | None:
-    profile = cost_model.get("profile")
-    if not profile:
-        return None
-    return PrefillModel.from_dict(profile["prefill"]), DecodeModel.from_dict(profile["decode"])
 
 
 class ClusterView:
@@ -116,20 +107,21 @@ class ClusterView:
                 asyncio.ensure_future(old.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
             return
         record = event.record
-        same_address = old is not None and old.record["address"] == record["address"]
+        assert isinstance(record, WorkerRecord), "the registry decodes a worker role's value as a WorkerRecord"
+        same_address = old is not None and old.record.address == record.address
         view = InstanceView(
             record,
-            old.channel if old is not None and same_address else channel(record["address"]),
-            _state(event.role, event.instance_id, record, old.state if old is not None and same_address else None),
+            old.channel if old is not None and same_address else channel(record.address),
+            _state(record, old.state if old is not None and same_address else None),
         )
         self.instances[event.instance_id] = view
         if old is None:
-            log.info("%s %s joined at %s", event.role, event.instance_id, record["address"])
+            log.info("%s %s joined at %s", event.role, event.instance_id, record.address)
 
     def _apply_kvmeta(self, event: InstanceEvent) -> None:
         """Follow the newest kvmeta: a replacement registers before the old one's lease expires."""
         if event.kind == "put" and event.record:
-            self._kvmeta_addresses[event.instance_id] = event.record["address"]
+            self._kvmeta_addresses[event.instance_id] = event.record.address
         else:
             self._kvmeta_addresses.pop(event.instance_id, None)
         address = next(reversed(self._kvmeta_addresses.values()), "")
@@ -205,9 +197,9 @@ class ClusterView:
 
     def max_model_len(self) -> int:
         """The smallest context length any worker serves (0 when there is none)."""
-        lengths = [int(v.record["max_model_len"]) for v in self.instances.values()]
+        lengths = [v.record.max_model_len for v in self.instances.values()]
         return min(lengths, default=0)
 
     def block_size(self) -> int:
         """KV block size shared by the workers."""
-        return next((int(v.record["block_size"]) for v in self.instances.values()), 16)
+        return next((v.record.block_size for v in self.instances.values()), 16)

@@ -42,6 +42,7 @@ from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
 from scheduler.ttft_overhead import TtftOverhead
 from services.common import metrics
 from services.common.config import Config, WorkerConfig
+from services.common.instance_record import WorkerRecord
 from services.common.rpc import KV_TRANSFER_FAILED, RpcError, Service
 from services.common.telemetry import tracer
 from services.conductor.cluster_view import ClusterView, InstanceView
@@ -122,11 +123,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             conductor_pb2.InstanceStatus(
                 role=v.role,
                 instance_id=v.instance_id,
-                address=v.record["address"],
-                num_blocks=int(v.record["num_blocks"]),
+                address=v.record.address,
+                num_blocks=v.record.num_blocks,
                 num_running=len(v.state.decoding) + len(v.state.prefilling),
                 t_queue_ms=v.state.prefilling.t_queue(now) * 1e3,
-                record_json=json.dumps(v.record, sort_keys=True),
+                record_json=json.dumps(v.record.to_json(), sort_keys=True),
                 scheduling=self.view.scheduling(v.instance_id, now),
             )
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
@@ -177,7 +178,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise ValueError("the request needs a prompt: text or token_ids")
         if not prompt:
             raise ValueError("the prompt is empty")
-        vocab = min(int(v.record["vocab_size"]) for v in self.view.instances.values())
+        vocab = min(v.record.vocab_size for v in self.view.instances.values())
         if max(prompt) >= vocab:
             raise ValueError(f"token id {max(prompt)} is outside the vocabulary (size {vocab})")
         return prompt
@@ -249,13 +250,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return outcome
 
     @staticmethod
-    def _shape(job: Job, record: dict[str, Any]) -> RequestShape:
-        block_size = int(record["block_size"])
+    def _shape(job: Job, record: WorkerRecord) -> RequestShape:
+        block_size = record.block_size
         return RequestShape(
             num_prompt_tokens=len(job.tokens),
             num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, block_size),
             block_size=block_size,
-            bytes_per_block=int(record["kv_layout"]["bytes_per_block"]),
+            bytes_per_block=record.kv.bytes_per_block,
         )
 
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
@@ -392,7 +393,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
             if source is not None:
                 request.copy_source.CopyFrom(
-                    prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record["address"])
+                    prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record.address)
                 )
                 request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
             # A failed write into d's blocks is d's (or the link's) failure, not p's.

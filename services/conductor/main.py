@@ -24,7 +24,6 @@ async def run(config: Config, instance_id: str) -> None:
     await serve(
         conductor.services(servicer), host, int(port), registry=registry, role="conductor",
         instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
-        record=lambda address, metrics: {"role": "conductor", "address": address, "metrics_address": metrics},
         live=view.can_serve,  # health (and the gateway's /health) is SERVING once a request could be served
     )  # fmt: skip
     watch.cancel()

@@ -24,5 +24,4 @@ async def run(config: Config, instance_id: str) -> None:
     await serve(
         services(servicer), config.cluster.host, 0, registry=registry, role="kvmeta",
         instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
-        record=lambda address, metrics: {"role": "kvmeta", "address": address, "metrics_address": metrics},
     )  # fmt: skip

@@ -80,7 +80,7 @@ class KvEventPublisher:
             instances = await asyncio.to_thread(self.registry.list, "kvmeta")
             if not instances:
                 return None
-            self._channel = channel(next(iter(instances.values()))["address"])
+            self._channel = channel(next(iter(instances.values())).address)
             self._resync = True
         return kvmeta_pb2_grpc.KvMetaStub(self._channel)
 

@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.common.config import Config, WorkerConfig
+from services.common.instance_record import CostModels, KVShape, WorkerRecord
 from services.common.registry import Registry
 from services.common.rpc import Service
 from services.worker import builtin_engine
@@ -59,45 +60,27 @@ class Worker:
     num_reserved: Callable[[], int] = lambda: 0
     address: str = ""  # set when the server is bound
     metrics_address: str = ""
-    extra_record: dict[str, Any] = field(default_factory=dict)  # e.g. the colocated worker's openai_url
+    openai_url: str = ""  # a colocated worker's own OpenAI endpoint, once it listens
 
     def num_kv_blocks(self, num_tokens: int) -> int:
         """KV blocks holding ``num_tokens`` tokens (the last one may be partial)."""
         return self.engine.layout.num_blocks_for(num_tokens)
 
-    def record(self, address: str, metrics_address: str) -> dict[str, Any]:
+    def record(self, address: str, metrics_address: str) -> WorkerRecord:
         """The etcd record describing this instance."""
         self.address, self.metrics_address = address, metrics_address
         layout = self.engine.layout
-        profile_prefill, profile_decode = self.refiner.profile_models()
-        return {
-            "role": self.role,
-            "instance_id": self.instance_id,
-            "address": address,
-            "metrics_address": metrics_address,
-            "transfer_endpoint": self.transfer.endpoint,
-            "model": self.config.model.name,
-            "block_size": layout.block_size,
-            "kv_layout": {
-                "num_layers": layout.num_layers,
-                "num_kv_heads": layout.num_kv_heads,
-                "head_dim": layout.head_dim,
-                "dtype": layout.dtype,
-                "bytes_per_block": layout.bytes_per_block,
-            },
-            "num_blocks": layout.num_blocks,
-            "max_model_len": layout.max_model_len,
-            "vocab_size": layout.vocab_size,
-            "max_num_batched_tokens": self.pool_config.max_num_batched_tokens,
-            "max_concurrent_requests": self.pool_config.max_concurrent_requests,
-            "cost_model": {
-                "prefill": self.prefill_model.to_dict(),
-                "decode": self.decode_model.to_dict(),
-                # the start-up profile alone: admission's reference for a request on an idle instance
-                "profile": {"prefill": profile_prefill.to_dict(), "decode": profile_decode.to_dict()},
-            },
-            **self.extra_record,
-        }
+        return WorkerRecord(
+            role=self.role, instance_id=self.instance_id, address=address, metrics_address=metrics_address,
+            model=self.config.model.name, transfer_endpoint=self.transfer.endpoint, block_size=layout.block_size,
+            num_blocks=layout.num_blocks, max_model_len=layout.max_model_len, vocab_size=layout.vocab_size,
+            max_num_batched_tokens=self.pool_config.max_num_batched_tokens,
+            max_concurrent_requests=self.pool_config.max_concurrent_requests,
+            kv_layout=KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                              layout.bytes_per_block),
+            cost_model=CostModels(self.prefill_model, self.decode_model, *self.refiner.profile_models()),
+            openai_url=self.openai_url,
+        )  # fmt: skip
 
     def services(self) -> list[Service]:
         """The Worker service every role serves."""

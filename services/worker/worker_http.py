@@ -57,7 +57,7 @@ class WorkerEndpoint:
         # On a thread of its own: uvicorn installs signal handlers only on the main thread.
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
         self._thread.start()
-        self.worker.extra_record["openai_url"] = f"http://{config.cluster.host}:{port}"
+        self.worker.openai_url = f"http://{config.cluster.host}:{port}"
 
     def stop(self) -> None:
         """Stop the shim."""

@@ -1,0 +1,135 @@
+"""The record a live instance publishes in etcd: what others know of it without asking it.
+
+Every process registers an ``InstanceRecord`` (role, id, gRPC and metrics addresses); an engine worker
+registers a ``WorkerRecord``, which adds what the Conductor schedules on (the engine's shape and KV
+layout, the learned cost models and the start-up profile) and what tools reach it by (the transfer
+engine endpoint, the colocated worker's own OpenAI URL). The JSON form is flat and stable; ``from_json``
+names the missing or malformed key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from scheduler.cost_model import DecodeModel, PrefillModel
+
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+class RecordError(ValueError):
+    """A registry value that is not a well-formed record."""
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """How one KV block is laid out (workers that exchange KV must agree on it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    bytes_per_block: int
+
+
+@dataclass(frozen=True)
+class CostModels:
+    """The worker's current (refit) cost models and the start-up profile they began from."""
+
+    prefill: PrefillModel
+    decode: DecodeModel
+    profile_prefill: PrefillModel
+    profile_decode: DecodeModel
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's ``cost_model`` object."""
+        return {
+            "prefill": self.prefill.to_dict(),
+            "decode": self.decode.to_dict(),
+            # the start-up profile alone: admission's reference for a request on an idle instance
+            "profile": {"prefill": self.profile_prefill.to_dict(), "decode": self.profile_decode.to_dict()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CostModels:
+        """Inverse of ``to_json``."""
+        profile = data["profile"]
+        return cls(
+            PrefillModel.from_dict(data["prefill"]), DecodeModel.from_dict(data["decode"]),
+            PrefillModel.from_dict(profile["prefill"]), DecodeModel.from_dict(profile["decode"]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """Any registered process."""
+
+    role: str
+    instance_id: str
+    address: str  # gRPC host:port
+    metrics_address: str = ""  # host:port of its Prometheus /metrics ("" when off)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object stored in etcd."""
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> InstanceRecord:
+        """A ``WorkerRecord`` for an engine worker's value, an ``InstanceRecord`` for any other."""
+        try:
+            if data.get("role") in WORKER_ROLES:
+                return WorkerRecord.from_worker_json(data)
+            return InstanceRecord(str(data["role"]), str(data["instance_id"]), str(data["address"]),
+                                  str(data.get("metrics_address", "")))  # fmt: skip
+        except KeyError as e:
+            raise RecordError(f"instance record without {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise RecordError(f"malformed instance record: {e}") from None
+
+
+@dataclass(frozen=True)
+class WorkerRecord(InstanceRecord):
+    """An engine worker (prefill, decode or colocated)."""
+
+    model: str = ""
+    transfer_endpoint: str = ""  # the Mooncake transfer engine's host:port
+    block_size: int = 0
+    num_blocks: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+    max_num_batched_tokens: int = 0
+    max_concurrent_requests: int = 0
+    kv_layout: KVShape | None = None
+    cost_model: CostModels | None = None
+    openai_url: str = ""  # a colocated worker's own OpenAI endpoint ("" for others)
+
+    @property
+    def kv(self) -> KVShape:
+        """The KV layout (a worker always has one)."""
+        assert self.kv_layout is not None, f"{self.instance_id}: worker record without kv_layout"
+        return self.kv_layout
+
+    @property
+    def costs(self) -> CostModels:
+        """The cost models (a worker always has them)."""
+        assert self.cost_model is not None, f"{self.instance_id}: worker record without cost_model"
+        return self.cost_model
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object stored in etcd."""
+        data = asdict(self)
+        data["cost_model"] = self.costs.to_json()
+        return data
+
+    @classmethod
+    def from_worker_json(cls, data: dict[str, Any]) -> WorkerRecord:
+        """Inverse of ``to_json`` (KeyError names a missing key)."""
+        return cls(
+            role=str(data["role"]), instance_id=str(data["instance_id"]), address=str(data["address"]),
+            metrics_address=str(data.get("metrics_address", "")), model=str(data["model"]),
+            transfer_endpoint=str(data["transfer_endpoint"]), block_size=int(data["block_size"]),
+            num_blocks=int(data["num_blocks"]), max_model_len=int(data["max_model_len"]),
+            vocab_size=int(data["vocab_size"]), max_num_batched_tokens=int(data["max_num_batched_tokens"]),
+            max_concurrent_requests=int(data["max_concurrent_requests"]), kv_layout=KVShape(**data["kv_layout"]),
+            cost_model=CostModels.from_json(data["cost_model"]), openai_url=str(data.get("openai_url", "")),
+        )  # fmt: skip

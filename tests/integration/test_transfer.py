@@ -1,0 +1,155 @@
+"""KV block transfers between two processes over the Mooncake Transfer Engine (TCP, loopback)."""
+
+import multiprocessing
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from services.worker.transfer import KVTransferEngine, TransferError, coalesce
+
+POOL_BYTES = 4 << 20
+BLOCK = 64 << 10
+
+
+def _peer_main(conn: Connection) -> None:
+    """The remote instance: a registered pool it can fill and dump on request."""
+    engine = KVTransferEngine()
+    pool = torch.zeros(POOL_BYTES, dtype=torch.uint8)
+    engine.register(pool.data_ptr(), POOL_BYTES)
+    conn.send((engine.endpoint, pool.data_ptr()))
+    while True:
+        command, arg = conn.recv()
+        if command == "dump":
+            conn.send(pool.numpy().tobytes())
+        elif command == "fill":
+            pool.copy_(torch.frombuffer(bytearray(arg), dtype=torch.uint8))
+            conn.send(None)
+        else:
+            return
+
+
+class Peer:
+    def __init__(self, conn: Connection, endpoint: str, base: int) -> None:
+        self.conn = conn
+        self.endpoint = endpoint
+        self.base = base
+
+    def dump(self) -> torch.Tensor:
+        self.conn.send(("dump", None))
+        return torch.frombuffer(bytearray(self.conn.recv()), dtype=torch.uint8)
+
+    def fill(self, data: torch.Tensor) -> None:
+        self.conn.send(("fill", data.numpy().tobytes()))
+        self.conn.recv()
+
+    def addr(self, block: int) -> int:
+        return self.base + block * BLOCK
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc: Any = ctx.Process(target=_peer_main, args=(child,), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(30):
+            raise RuntimeError("peer process did not start")
+        endpoint, base = parent.recv()
+        yield Peer(parent, endpoint, base)
+        parent.send(("stop", None))
+        proc.join(5)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+@pytest.fixture(scope="module")
+def local() -> tuple[KVTransferEngine, torch.Tensor]:
+    engine = KVTransferEngine()
+    pool = torch.zeros(POOL_BYTES, dtype=torch.uint8)
+    engine.register(pool.data_ptr(), POOL_BYTES)
+    return engine, pool
+
+
+def random_pool(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def blocks_of(pool: torch.Tensor, ids: list[int]) -> list[int]:
+    return [pool.data_ptr() + i * BLOCK for i in ids]
+
+
+# Two contiguous runs on both sides, one block contiguous on one side only, one reversed pair.
+SRC_IDS = [0, 1, 2, 10, 11, 20, 31, 30]
+DST_IDS = [40, 41, 42, 5, 7, 8, 50, 49]
+
+
+def test_coalesce_merges_runs_contiguous_on_both_sides() -> None:
+    srcs, dsts, lengths = coalesce([0, 10, 20, 50, 60], [100, 110, 120, 130, 140], 10)
+    assert (srcs, dsts, lengths) == ([0, 50], [100, 130], [30, 20])
+    assert coalesce([0, 20, 10], [0, 10, 20], 10) == ([0, 20, 10], [0, 10, 20], [10, 10, 10])
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_write_blocks_land_exactly(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor], merge: bool) -> None:
+    engine, pool = local
+    engine.merge = merge
+    pool.copy_(random_pool(1))
+    peer.fill(torch.zeros(POOL_BYTES, dtype=torch.uint8))
+    written_before, blocks_before = engine.bytes_written, engine.blocks_written
+
+    result = engine.write_blocks(peer.endpoint, blocks_of(pool, SRC_IDS), [peer.addr(i) for i in DST_IDS], BLOCK)
+
+    expected = torch.zeros(POOL_BYTES, dtype=torch.uint8)
+    for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+        expected[d * BLOCK : (d + 1) * BLOCK] = pool[s * BLOCK : (s + 1) * BLOCK]
+    assert torch.equal(peer.dump(), expected)
+    assert (result.bytes, result.blocks) == (len(SRC_IDS) * BLOCK, len(SRC_IDS))
+    assert result.seconds > 0
+    assert engine.bytes_written - written_before == result.bytes
+    assert engine.blocks_written - blocks_before == len(SRC_IDS)
+
+
+def test_read_blocks_pull_exactly(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
+    engine, pool = local
+    remote = random_pool(2)
+    peer.fill(remote)
+    pool.zero_()
+    read_before = engine.bytes_read
+
+    result = engine.read_blocks(peer.endpoint, blocks_of(pool, DST_IDS), [peer.addr(i) for i in SRC_IDS], BLOCK)
+
+    expected = torch.zeros(POOL_BYTES, dtype=torch.uint8)
+    for s, d in zip(SRC_IDS, DST_IDS, strict=True):
+        expected[d * BLOCK : (d + 1) * BLOCK] = remote[s * BLOCK : (s + 1) * BLOCK]
+    assert torch.equal(pool, expected)
+    assert engine.bytes_read - read_before == result.bytes == len(SRC_IDS) * BLOCK
+    assert engine.blocks_read == len(SRC_IDS)
+
+
+def test_probe_and_validation(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
+    engine, pool = local
+    written = engine.bytes_written
+    assert engine.probe(peer.endpoint, pool.data_ptr(), peer.base, 1 << 20) > 0
+    assert engine.bytes_written == written  # probes are not KV traffic
+    with pytest.raises(ValueError, match="local addresses"):
+        engine.write_blocks(peer.endpoint, [pool.data_ptr()], [], BLOCK)
+    with pytest.raises(ValueError, match="protocol"):
+        KVTransferEngine(protocol="udp")
+
+
+def test_unknown_peer_raises(local: tuple[KVTransferEngine, torch.Tensor]) -> None:
+    engine, pool = local
+    with pytest.raises(TransferError):
+        engine.write_blocks("127.0.0.1:1", [pool.data_ptr()], [pool.data_ptr()], BLOCK)
+
+
+def test_write_outside_peer_registration_is_rejected(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
+    engine, pool = local
+    with pytest.raises(TransferError, match="returned"):
+        engine.write_blocks(peer.endpoint, [pool.data_ptr()], [peer.base + POOL_BYTES - 4096], 2 * 4096)

@@ -1,0 +1,114 @@
+"""The decode worker's service over a fake engine, in process: reservations are never orphaned.
+
+The servicer runs on a real gRPC server (port 0) and is called through real channels; only the engine
+is the in-memory ``FakeEngine`` behind the EnginePort, so these tests take a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from fake_engine import FakeEngine
+
+from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from scheduler.cost_model import DecodeModel, PrefillModel
+from services.common.config import load_config
+from services.common.rpc import ErrorInterceptor
+from services.worker import decode
+from services.worker.worker import Worker
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+PROMPT = list(range(40))
+
+
+@pytest.fixture
+async def served():
+    engine = FakeEngine(num_blocks=64, step_s=0.002)
+    engine.start()
+    config = load_config(None, ["cluster.kv_transfer_timeout_s=30"])
+    worker = Worker(
+        "decode", "decode-0", config, config.decode, engine, SimpleNamespace(endpoint="127.0.0.1:1"), None, None,
+        None, PrefillModel(0, 0, 0), DecodeModel(0, 0, 0),
+    )  # fmt: skip
+    services, servicer = decode.services(worker)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    for s in services:
+        s.add_to_server(s.servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield SimpleNamespace(engine=engine, servicer=servicer, stub=decode_pb2_grpc.DecodeStub(channel))
+    await channel.close()
+    await server.stop(0)
+
+
+def _sampling(max_tokens=8):
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def _reserve(stub, rid, max_tokens=8):
+    return await stub.Reserve(
+        decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(PROMPT), sampling=_sampling(max_tokens))
+    )
+
+
+async def _decode(stub, rid, max_tokens=8):
+    request = decode_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=PROMPT, first_token_id=7, sampling=_sampling(max_tokens)
+    )
+    return [t async for chunk in stub.Decode(request) for t in chunk.token_ids]
+
+
+async def _all_free(engine, timeout_s=2.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(engine.free) != engine.layout.num_blocks:
+        assert asyncio.get_running_loop().time() < deadline, f"{engine.layout.num_blocks - len(engine.free)} held"
+        await asyncio.sleep(0.01)
+
+
+async def test_reserve_then_decode_streams_the_tokens_after_token_0_and_frees_the_blocks(served):
+    reserved = await _reserve(served.stub, "r1")
+    assert len(reserved.target.block_addresses) == 3  # 40 prompt tokens in 16-token blocks
+    assert await _decode(served.stub, "r1") == list(range(8, 15))
+    await _all_free(served.engine)
+
+
+async def test_streams_cancelled_at_random_moments_leave_every_block_free(served):
+    rng = random.Random(3)
+
+    async def one(i):
+        rid = f"c{i}"
+        await _reserve(served.stub, rid, max_tokens=40)
+        request = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=PROMPT, first_token_id=7,
+                                           sampling=_sampling(40))  # fmt: skip
+        call = served.stub.Decode(request)
+        await asyncio.sleep(rng.uniform(0, 0.05))
+        call.cancel()
+        # The Conductor releases a reservation its cancelled Decode may not have taken yet.
+        await served.stub.Release(decode_pb2.ReleaseRequest(request_id=rid))
+
+    await asyncio.gather(*(one(i) for i in range(12)))
+    await _all_free(served.engine)
+    assert not served.servicer.reservations
+
+
+async def test_a_release_that_overtakes_its_reserve_leaves_nothing_held(served):
+    released = await served.stub.Release(decode_pb2.ReleaseRequest(request_id="late"))
+    assert not released.released
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _reserve(served.stub, "late")
+    assert refused.value.code() == grpc.StatusCode.CANCELLED
+    await _all_free(served.engine)
+
+
+async def test_a_reserve_cancelled_mid_way_is_released_by_its_release(served):
+    call = served.stub.Reserve(
+        decode_pb2.ReserveRequest(request_id="cut", num_prompt_tokens=len(PROMPT), sampling=_sampling())
+    )
+    call.cancel()
+    await served.stub.Release(decode_pb2.ReleaseRequest(request_id="cut"))
+    await _all_free(served.engine)

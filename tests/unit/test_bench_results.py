@@ -1,0 +1,71 @@
+"""Committed benchmark write-ups say what their JSON says.
+
+Each write-up's tables are the generated ``.md`` tables, verbatim; each number in its prose is derived
+here from the JSON beside it, formatted as the prose writes it, and must appear in the write-up. A
+result whose JSON names uncommitted code is refused.
+"""
+
+import json
+from pathlib import Path
+
+SIM = Path(__file__).resolve().parents[2] / "bench" / "results" / "sim"
+
+
+def _load(name):
+    return json.loads((SIM / name).read_text())
+
+
+def _tables(markdown):
+    return [line for line in markdown.splitlines() if line.startswith("|")]
+
+
+def test_sim_results_name_clean_code_and_their_command():
+    for name in ("policies.json", "overload.json"):
+        record = _load(name)
+        assert record["code"] and "uncommitted" not in record["code"], f"{name} ran uncommitted code"
+        assert record["command"].startswith("python -m bench.sim.")
+
+
+def test_sim_readme_tables_are_the_generated_ones():
+    readme = (SIM / "README.md").read_text()
+    for generated in ("policies.md", "overload.md"):
+        for row in _tables((SIM / generated).read_text()):
+            assert row in readme, f"README.md lacks (or changed) this row of {generated}: {row}"
+
+
+def test_sim_readme_prose_numbers_come_from_the_json():
+    readme = " ".join((SIM / "README.md").read_text().split())  # prose wraps anywhere
+    policies = {p: r["summary"] for p, r in _load("policies.json")["policies"].items()}
+    overload = {m: r["summary"] for m, r in _load("overload.json")["runs"].items()}
+    ours, paper = policies["kvcache_centric"], _load("policies.json")["paper_figure5_mean_ttft_s"]
+    capacity = {p: s["effective_capacity"]["tbt<=100ms"] for p, s in policies.items()}
+    claims = [
+        f"Algorithm 1 serves {capacity['kvcache_centric']:,} of {ours['requests']:,}",
+        f"the Dynamo rule {capacity['dynamo']:,}",
+        f"load-balancing {capacity['least_loaded']:,}",
+        f"random {capacity['random']:,}",
+        f"colocated {capacity['colocated']:,}",
+        f"load-balancing ({policies['least_loaded']['ttft']['mean']:.2f} s)",
+        f"local cache-aware ({policies['cache_aware']['ttft']['mean']:.2f} s)",
+        f"ours {ours['ttft']['mean']:.2f} vs {paper['kvcache_centric']:.2f} s",
+        f"random {policies['random']['ttft']['mean']:.2f} vs {paper['random']:.2f} s",
+        f"random / ours is {policies['random']['ttft']['mean'] / ours['ttft']['mean']:.1f}x here and "
+        f"{paper['random'] / paper['kvcache_centric']:.1f}x in the paper",
+        f"load-balancing / ours {policies['least_loaded']['ttft']['mean'] / ours['ttft']['mean']:.2f}x vs "
+        f"{paper['least_loaded'] / paper['kvcache_centric']:.2f}x",
+        f"copies KV in {ours['kv_copies']:,} requests ({ours['kv_copy_bytes'] / 1e12:.1f} TB",
+        f"Its hit rate ({ours['cache_hit_rate']:.1%})",
+        f"load-balancing gets {policies['least_loaded']['cache_hit_rate']:.1%}",
+        f"close behind ({policies['dynamo']['ttft']['mean']:.2f} s), with less reuse "
+        f"({policies['dynamo']['cache_hit_rate']:.1%})",
+        f"p99 TBT {policies['colocated']['tbt']['p99'] * 1e3:.1f} ms, and "
+        f"{policies['colocated']['slo_attainment']['tbt<=100ms']:.1%}",
+        f"rejection counts are equal ({sum(overload['plain']['rejections'].values())}",
+        f"std {_load('overload.json')['runs']['prediction']['oscillation']['decode_step_std_s'] * 1e3:.2f} vs "
+        f"{_load('overload.json')['runs']['plain']['oscillation']['decode_step_std_s'] * 1e3:.2f} ms",
+        f"p99 TBT drops from {overload['plain']['tbt']['p99'] * 1e3:.1f} to "
+        f"{overload['prediction']['tbt']['p99'] * 1e3:.1f} ms",
+    ]
+    missing = [c for c in claims if c not in readme]
+    assert not missing, f"README.md disagrees with the JSON: {missing}"
+    assert sum(overload["plain"]["rejections"].values()) == sum(overload["prediction"]["rejections"].values())

@@ -1,0 +1,126 @@
+"""`kvconductor bench serve`: workload builders, summary math, and one run against a real cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.serve.cli import add_arguments, build_workload, pacing
+from bench.serve.client import RequestResult, error_reason
+from bench.serve.metrics import percentile, summarize, within_slo
+from bench.serve.runner import poisson_arrivals
+from bench.serve.workloads import TraceScale, load_trace, shared_prefix, trace_request
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _record(ids, input_length, output_length=100, timestamp=0):
+    return {"timestamp": timestamp, "input_length": input_length, "output_length": output_length, "hash_ids": ids}
+
+
+def test_equal_hash_ids_give_equal_token_blocks():
+    scale = TraceScale(length_scale=1 / 32)
+    a = trace_request(_record([7, 8, 9], 3 * 512), scale)
+    b = trace_request(_record([7, 8, 10], 3 * 512), scale)
+    c = trace_request(_record([11, 8, 9], 3 * 512), scale)
+    assert a.prompt_ids[:32] == b.prompt_ids[:32]  # two shared blocks of 16 tokens
+    assert a.prompt_ids[32:] != b.prompt_ids[32:]
+    assert a.prompt_ids[:16] != c.prompt_ids[:16]
+    assert trace_request(_record([7, 8, 9], 3 * 512), scale) == a  # deterministic
+
+
+def test_trace_lengths_and_times_scale_as_documented():
+    scale = TraceScale(length_scale=1 / 32, max_output_tokens=20, time_scale=0.5)
+    r = trace_request(_record([1, 2], 1000, output_length=100, timestamp=4000), scale)
+    assert len(r.prompt_ids) == math.ceil(1000 / 32)  # 32: one full 16-token block + a partial one
+    assert r.max_tokens == math.ceil(100 / 32)
+    assert r.arrival_s == pytest.approx(2.0)
+    assert trace_request(_record([1], 10, output_length=2000), scale).max_tokens == 20  # capped
+    assert len(trace_request(_record(list(range(100)), 51_200), TraceScale(max_input_tokens=64)).prompt_ids) == 64
+    assert TraceScale(length_scale=1 / 16).block_tokens == 32
+
+
+def test_load_trace_limits_and_starts_at_zero(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [_record([0, i + 1], 900, timestamp=1000 + 500 * i) for i in range(5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    requests = load_trace(path, 3, TraceScale())
+    assert [r.arrival_s for r in requests] == [0.0, 0.5, 1.0]
+    assert len({r.prompt_ids[:16] for r in requests}) == 1  # hash id 0 everywhere
+    with pytest.raises(ValueError, match="not found"):
+        load_trace(tmp_path / "missing.jsonl", 3, TraceScale())
+
+
+def test_shared_prefix_is_n_prefixes_times_m_suffixes():
+    requests = shared_prefix(2, 3, prefix_len=20, suffix_len=5, output_len=4)
+    assert len(requests) == 6
+    assert {r.prompt_ids[:20] for r in requests[0::2]} != {r.prompt_ids[:20] for r in requests[1::2]}
+    assert len({r.prompt_ids[:20] for r in requests}) == 2
+    assert len({r.prompt_ids for r in requests}) == 6
+    assert all(len(r.text) == 25 and r.max_tokens == 4 for r in requests)
+
+
+def test_tpot_and_percentiles_on_hand_numbers():
+    r = RequestResult(prompt_len=10, max_tokens=11, ttft=0.1, latency=1.1, output_tokens=11)
+    assert r.tpot == pytest.approx(0.1)  # (1.1 - 0.1) / (11 - 1)
+    assert RequestResult(10, 1, ttft=0.1, latency=0.1, output_tokens=1).tpot is None
+    assert percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert percentile([5], 99) == 5
+    assert math.isnan(percentile([], 50))
+
+
+def test_goodput_hit_rate_and_errors():
+    fast = RequestResult(100, 5, ttft=0.1, latency=0.5, output_tokens=5, prompt_tokens=100, cached_tokens=50)
+    slow_first = RequestResult(100, 5, ttft=0.9, latency=1.3, output_tokens=5, prompt_tokens=100, cached_tokens=0)
+    slow_decode = RequestResult(100, 5, ttft=0.1, latency=2.1, output_tokens=5, prompt_tokens=100, cached_tokens=50)
+    rejected = RequestResult(100, 5, error=error_reason(429, '{"error": {"message": "predicted TTFT 2500 ms"}}'))
+    results = [fast, slow_first, slow_decode, rejected]
+    assert within_slo(fast, 0.5, 0.2) and not within_slo(slow_first, 0.5, 0.2) and not within_slo(slow_decode, 0.5, 0.2)
+    s = summarize(results, duration_s=2.0, ttft_slo_ms=500, tpot_slo_ms=200)
+    assert (s["completed"], s["failed"], s["good_requests"]) == (3, 1, 1)
+    assert s["goodput"] == pytest.approx(0.5)
+    assert s["request_throughput"] == pytest.approx(1.5)
+    assert s["output_throughput"] == pytest.approx(7.5)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(100 / 300)
+    assert s["ttft_ms"]["median"] == pytest.approx(100)
+    assert s["tpot_ms"]["median"] == pytest.approx(100)  # (0.5 - 0.1) / 4 s
+    assert s["errors"] == {"429: predicted TTFT N ms": 1}
+    assert summarize(results, 2.0)["good_requests"] == 3  # no SLO: every completed request counts
+
+
+def test_pacing_defaults_and_poisson_arrivals():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--base-url", "http://x/v1", "--model", "m"]
+    assert pacing(parser.parse_args(base)) == (1, None)  # the seed's sequential runs
+    assert pacing(parser.parse_args([*base, "--workload", "trace"])) == (None, None)  # trace timestamps
+    assert pacing(parser.parse_args([*base, "--request-rate", "2"])) == (None, 2.0)
+    assert len(build_workload(parser.parse_args([*base, "--num-requests", "6", "--num-prefixes", "3"]))) == 6
+    arrivals = poisson_arrivals(2000, rate=4.0, seed=1)
+    assert arrivals == poisson_arrivals(2000, rate=4.0, seed=1) and arrivals[0] == 0.0
+    assert arrivals[-1] / 1999 == pytest.approx(0.25, rel=0.1)
+
+
+def test_parsing_bench_args_does_not_import_torch():
+    code = (
+        "import sys; from cli.main import _parser; "
+        "_parser().parse_args(['bench', 'serve', '--base-url', 'http://x/v1', '--model', 'm']); "
+        "_parser().parse_args(['bench', 'compare', '--requests', '4']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_unreachable_base_url_is_one_line(capsys):
+    from cli.main import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot reach http://127.0.0.1:1/v1") and "\n" not in err

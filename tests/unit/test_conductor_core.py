@@ -1,0 +1,137 @@
+"""One Conductor core: the simulator's decisions replayed through the live Conductor's state give the same plans.
+
+The simulator runs a small trace (disaggregated and colocated) and every call it makes into
+``ConductorCore`` is recorded: decide (with the prefix matches and the clock), book, prefill_done,
+decode_started, release. The recording is then replayed against instance states built the way the live
+Conductor builds them, from workers' etcd records (``services.conductor.cluster_view``), with a fresh
+core: every decision must come out identical.
+"""
+
+import random
+
+import pytest
+
+from scheduler.core import ConductorCore
+from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
+from scheduler.policy import ConductorPolicy, Plan, Rejection
+from scheduler.sim.profiles import Profile
+from scheduler.sim.simulator import SimConfig, Simulator
+from scheduler.sim.trace import TraceRequest, block_hash
+from services.conductor.cluster_view import _state
+
+BS = 512
+PROFILE = Profile(
+    name="core-test",
+    prefill=PrefillModel(c0=0.01, c1=1e-4, c2=1e-8),
+    decode=DecodeModel(d0=0.01, d1=1e-3, d2=1e-7),
+    link=TransferModel(latency_s=0.001, bandwidth_bytes_per_s=5e9),
+    bytes_per_token=1024,
+    prefill_cache_tokens=40 * BS,
+    decode_kv_tokens=400 * BS,
+    max_running=16,
+    chunk_tokens=4096,
+)
+
+
+def _trace(n=60, seed=0):
+    rng = random.Random(seed)
+    requests, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(4.0)
+        shared = rng.randrange(4)  # four hot prefixes of 2-6 blocks, then a private tail
+        hashes = [1000 * shared + j for j in range(rng.randrange(2, 7))] + [10_000 + i]
+        requests.append(TraceRequest(i, t, len(hashes) * BS - rng.randrange(BS), rng.randrange(2, 60),
+                                     tuple(block_hash(h) for h in hashes)))  # fmt: skip
+    return requests
+
+
+class Recorder:
+    """Wraps a core; remembers each call with the ids of the instances it named."""
+
+    def __init__(self, core):
+        self.core, self.calls = core, []
+
+    def decide(self, now, shape, prefix, prefills, decodes, slo, colocated):
+        outcome = self.core.decide(now, shape, prefix, prefills, decodes, slo, colocated)
+        ids = ([p.instance_id for p in prefills], [d.instance_id for d in decodes])
+        self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, outcome))
+        return outcome
+
+    def book(self, now, rid, plan, shape, max_tokens, p, d):
+        self.calls.append(("book", now, rid, plan, shape, max_tokens, p.instance_id, d.instance_id))
+        self.core.book(now, rid, plan, shape, max_tokens, p, d)
+
+    def prefill_done(self, p, rid, now):
+        self.calls.append(("prefill_done", p.instance_id, rid, now))
+        self.core.prefill_done(p, rid, now)
+
+    def decode_started(self, d, rid, now):
+        self.calls.append(("decode_started", d.instance_id, rid, now))
+        self.core.decode_started(d, rid, now)
+
+    def release(self, rid, now, *instances):
+        self.calls.append(("release", rid, now, [v.instance_id for v in instances]))
+        self.core.release(rid, now, *instances)
+
+    def observe_completion(self, tokens):
+        self.calls.append(("observe_completion", tokens))
+        self.core.observe_completion(tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+
+def _record(colocated):
+    sim = Simulator(SimConfig(policy="colocated" if colocated else "kvcache_centric", num_prefill=2, num_decode=2,
+                              block_size=BS, max_ttft=1.0, max_tbt=0.05, reject=True), PROFILE, _trace())  # fmt: skip
+    sim.core = recorder = Recorder(sim.core)
+    for instance in [*sim.prefills, *sim.decodes]:  # the instances' own calls (prefill ends, releases) too
+        instance.core = recorder
+    sim.run()
+    states = [*(p.state for p in sim.prefills), *(d.state for d in sim.decodes)]
+    return recorder.calls, states, sim.core.core.policy.config
+
+
+def _live_states(states):
+    """Each instance as the live Conductor sees it: built from the record its worker would publish."""
+    live = {}
+    for s in states:
+        record = {"cost_model": {"prefill": s.prefill_model.to_dict(), "decode": s.decode_model.to_dict()},
+                  "num_blocks": s.num_blocks, "max_concurrent_requests": s.max_running,
+                  "max_num_batched_tokens": s.chunk_tokens}  # fmt: skip
+        live[s.instance_id] = _state(s.role, s.instance_id, record, None)
+    return live
+
+
+def _same(a, b):
+    if isinstance(a, Rejection) or isinstance(b, Rejection):
+        return type(a) is type(b) and a.reason == b.reason
+    assert isinstance(a, Plan) and isinstance(b, Plan)
+    return (a.prefill, a.decode_instance, a.tbt, a.best_len, a.probe) == (b.prefill, b.decode_instance, b.tbt,
+                                                                          b.best_len, b.probe)  # fmt: skip
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_the_live_core_replays_the_simulators_decisions(colocated):
+    calls, states, policy_config = _record(colocated)
+    decisions = [c for c in calls if c[0] == "decide"]
+    assert len(decisions) == 60 and any(isinstance(c[-1], Plan) for c in decisions)
+    live = _live_states(states)
+    core = ConductorCore(ConductorPolicy(policy_config, seed=0), LinkModels(PROFILE.link))
+    for call in calls:
+        kind, *args = call
+        if kind == "decide":
+            now, shape, prefix, (p_ids, d_ids), slo, coloc, outcome = args
+            replayed = core.decide(now, shape, prefix, [live[i] for i in p_ids], [live[i] for i in d_ids], slo, coloc)
+            assert _same(replayed, outcome), (now, replayed, outcome)
+        elif kind == "book":
+            now, rid, plan, shape, max_tokens, p, d = args
+            core.book(now, rid, plan, shape, max_tokens, live[p], live[d])
+        elif kind in ("prefill_done", "decode_started"):
+            instance, rid, now = args
+            getattr(core, kind)(live[instance], rid, now)
+        elif kind == "release":
+            rid, now, ids = args
+            core.release(rid, now, *(live[i] for i in ids))
+        else:
+            core.observe_completion(*args)

@@ -1,0 +1,304 @@
+"""Algorithm 1, admission and the baselines on scripted cluster states."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
+from scheduler.kv_index import KVIndex
+from scheduler.policy import (
+    ConductorPolicy,
+    DecodeCandidate,
+    Plan,
+    PolicyConfig,
+    PrefillCandidate,
+    Rejection,
+    RequestShape,
+    Resident,
+    Slo,
+)
+
+PREFILL = PrefillModel(c0=0.002, c1=0.0002, c2=1e-8)  # ~5,000 tokens/s
+DECODE = DecodeModel(d0=0.005, d1=0.0005, d2=1e-6)
+FAST_LINK = LinkModels(TransferModel(latency_s=0.001, bandwidth_bytes_per_s=1e9))
+SLOW_LINK = LinkModels(TransferModel(latency_s=0.001, bandwidth_bytes_per_s=1e6))
+BPB = 64 * 1024  # bytes per 16-token block
+SLO = Slo(max_ttft=10.0, max_tbt=1.0)
+
+
+def shape(n=1024, blocks=None):
+    return RequestShape(n, blocks or math.ceil((n + 16) / 16), 16, BPB)
+
+
+def decode(instance_id="d0", residents=(), free=10_000):
+    return DecodeCandidate(instance_id, tuple(residents), free, 64, DECODE)
+
+
+def policy(**kw):
+    return ConductorPolicy(PolicyConfig(**kw))
+
+
+def test_cost_models_fit_recovers_coefficients():
+    samples = [(n, c, PREFILL.predict(n, c)) for n in (16, 64, 256, 1024) for c in (0, 512)]
+    fitted = PrefillModel.fit(samples)
+    for n, c, t in samples:
+        assert fitted.predict(n, c) == pytest.approx(t, rel=1e-6)
+    d_samples = [(b, ctx, DECODE.predict(b, ctx)) for b in (1, 4, 8) for ctx in (64, 4096)]
+    assert DecodeModel.fit(d_samples).predict(3, 1000) == pytest.approx(DECODE.predict(3, 1000))
+    assert TransferModel.from_gbps(8.0, latency_s=0.001).predict(10**9) == pytest.approx(1.001)
+
+
+def test_link_models_learn_a_pair_and_fall_back_to_the_prior():
+    prior = TransferModel(0.003, 1e9)
+    links = LinkModels(prior)
+    assert links.model("p0", "d0") is prior
+    for nbytes in (1 << 16, 1 << 20, 1 << 24):
+        links.observe("p0", "d0", nbytes, 0.0005 + nbytes / 2e9)
+    learned = links.model("p0", "d0")
+    assert learned.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert learned.latency_s == pytest.approx(0.0005, rel=1e-6)
+    assert links.model("p0").bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)  # same source, any dest
+    assert links.model("p9", "d0").bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)  # all links
+
+
+def test_prefix_holder_wins_when_idle():
+    idle = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 768, 0.0, PREFILL)]
+    plan = policy().schedule(idle, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(plan, Plan)
+    assert plan.prefill.instance_id == "p1"
+    assert (plan.prefill.prefix_len, plan.prefill.copy_from) == (768, "")
+    assert (plan.best_len, plan.best_instance) == (768, "p1")
+    assert "p1" in plan.reason
+
+
+def test_busy_hot_holder_vs_idle_cold_instance_copy_or_recompute_by_bandwidth():
+    cluster = [PrefillCandidate("hot", 960, 2.0, PREFILL), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    copied = policy().schedule(cluster, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(copied, Plan)
+    assert copied.prefill.instance_id == "cold"
+    assert (copied.prefill.copy_from, copied.prefill.copy_tokens, copied.prefill.prefix_len) == ("hot", 960, 960)
+    expected = FAST_LINK.model("hot", "cold").predict(60 * BPB) + PREFILL.predict(1024 - 960, 960)
+    assert copied.prefill.t_transfer + copied.prefill.t_prefill == pytest.approx(expected)
+    # Over a slow link the copy costs more than recomputing: the cold instance computes everything.
+    recomputed = policy().schedule(cluster, [decode()], shape(), SLO, SLOW_LINK)
+    assert isinstance(recomputed, Plan)
+    assert recomputed.prefill.instance_id == "cold"
+    assert (recomputed.prefill.copy_from, recomputed.prefill.prefix_len) == ("", 0)
+    # The paper's rule alone plans the slow copy for the cold instance, which then loses to the busy holder.
+    forced = policy(compare_copy_with_recompute=False).schedule(cluster, [decode()], shape(), SLO, SLOW_LINK)
+    assert isinstance(forced, Plan)
+    assert next(c for c in forced.candidates if c.instance_id == "cold").copy_from == "hot"
+    assert forced.prefill.instance_id == "hot"
+
+
+@pytest.mark.parametrize(("threshold", "copies"), [(1.49, True), (1.5, False), (0.8, True), (math.inf, False)])
+def test_threshold_boundary(threshold, copies):
+    # best_len / prefix_len = 960 / 640 = 1.5: copy only when the ratio is above the threshold.
+    cluster = [PrefillCandidate("hot", 960, 5.0, PREFILL), PrefillCandidate("warm", 640, 0.0, PREFILL)]
+    plan = policy(kv_cache_balancing_threshold=threshold, compare_copy_with_recompute=False).schedule(
+        cluster, [decode()], shape(), SLO, FAST_LINK
+    )
+    assert isinstance(plan, Plan)
+    warm = next(c for c in plan.candidates if c.instance_id == "warm")
+    assert (warm.copy_from == "hot") is copies
+    assert warm.prefix_len == (960 if copies else 640)
+
+
+def test_instance_with_no_match_has_an_infinite_ratio():
+    cluster = [PrefillCandidate("hot", 16, 5.0, PREFILL), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    plan = policy(kv_cache_balancing_threshold=1000.0, compare_copy_with_recompute=False).schedule(
+        cluster, [decode()], shape(), SLO, FAST_LINK
+    )
+    assert isinstance(plan, Plan)
+    assert next(c for c in plan.candidates if c.instance_id == "cold").copy_from == "hot"
+
+
+def test_no_copies_without_links_or_under_baselines():
+    cluster = [PrefillCandidate("hot", 960, 5.0, PREFILL), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    for plan in (
+        policy().schedule(cluster, [decode()], shape(), SLO, None),
+        policy(policy="least_loaded").schedule(cluster, [decode()], shape(), SLO, FAST_LINK),
+    ):
+        assert isinstance(plan, Plan)
+        assert all(c.copy_from == "" for c in plan.candidates)
+
+
+def test_prompt_fully_cached_still_computes_its_last_token():
+    plan = policy().schedule([PrefillCandidate("p0", 1024, 0.0, PREFILL)], [decode()], shape(1024), SLO, None)
+    assert isinstance(plan, Plan)
+    assert plan.prefill.prefix_len == 1008
+
+
+def test_decode_selection_prefers_the_lightest_batch_with_room():
+    now = Resident(-1.0, 10.0, 100)
+    decodes = [decode("d0", [now] * 8), decode("d1", [now] * 2), decode("d2", [], free=5)]
+    plan = policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], decodes, shape(100), SLO, None)
+    assert isinstance(plan, Plan)
+    assert plan.decode_instance == "d1"
+    full = DecodeCandidate("d3", (now,) * 4, 10_000, 4, DECODE)
+    assert isinstance(policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [full], shape(100), SLO, None),
+                      Rejection)  # fmt: skip
+
+
+def test_rejection_on_ttft_and_on_tbt_gives_reason_and_numbers():
+    busy = [PrefillCandidate("p0", 0, 3.0, PREFILL)]
+    rejected = policy().schedule(busy, [decode()], shape(), Slo(2.0, 1.0), FAST_LINK)
+    assert isinstance(rejected, Rejection)
+    assert "TTFT" in rejected.reason and "2000 ms" in rejected.reason
+    assert rejected.plan is not None and rejected.plan.prefill.ttft > 3.0
+    assert isinstance(policy().schedule(busy, [decode()], shape(), Slo(2.0, 1.0, reject=False), FAST_LINK), Plan)
+    crowded = decode("d0", [Resident(-1.0, 60.0, 2000)] * 40)
+    rejected = policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [crowded], shape(), Slo(9, 0.05))
+    assert isinstance(rejected, Rejection)
+    assert "TBT" in rejected.reason and "50 ms" in rejected.reason
+    full = policy().schedule([PrefillCandidate("p0", 0, 0.0, PREFILL)], [decode(free=3)], shape(), Slo(9, 9))
+    assert isinstance(full, Rejection) and "free KV blocks" in full.reason
+
+
+def test_prediction_based_rejection_vs_plain_early_rejection():
+    slo = Slo(max_ttft=10.0, max_tbt=0.030)
+    prefills = [PrefillCandidate("p0", 0, 0.5, PREFILL)]  # TTFT ~0.72 s
+    # The batch is heavy now but drains before this request's prefill ends: plain refuses, prediction accepts.
+    leaving = decode("d0", [Resident(-5.0, 0.3, 1000)] * 40)
+    assert isinstance(policy(early_rejection="plain").schedule(prefills, [leaving], shape(), slo), Rejection)
+    assert isinstance(policy(early_rejection="prediction").schedule(prefills, [leaving], shape(), slo), Plan)
+    # The batch is light now but prefilled requests join it before ours: plain accepts, prediction refuses.
+    joining = decode("d0", [Resident(0.2, 30.0, 1000)] * 40)
+    assert isinstance(policy(early_rejection="plain").schedule(prefills, [joining], shape(), slo), Plan)
+    assert isinstance(policy(early_rejection="prediction").schedule(prefills, [joining], shape(), slo), Rejection)
+
+
+def test_baselines_choose_as_named():
+    cluster = [
+        PrefillCandidate("a", 0, 0.5, PREFILL),
+        PrefillCandidate("b", 512, 0.9, PREFILL),
+        PrefillCandidate("c", 0, 0.1, PREFILL),
+    ]
+
+    def chosen(name, n=1):
+        p = policy(policy=name)
+        return [p.schedule(cluster, [decode()], shape(), SLO, None).prefill.instance_id for _ in range(n)]
+
+    assert chosen("round_robin", 4) == ["a", "b", "c", "a"]
+    assert chosen("least_loaded") == ["c"]
+    assert chosen("cache_aware") == ["b"]
+    assert set(chosen("random", 30)) == {"a", "b", "c"}
+    with pytest.raises(ValueError, match="policy must be one of"):
+        policy(policy="fastest")
+
+
+def test_kv_index_prefix_match_gaps_and_drops():
+    index = KVIndex()
+    h = [bytes([i]) * 32 for i in range(6)]
+    assert index.apply("p0", 1, [], [], full=True) is False
+    assert index.apply("p0", 2, h[:4], []) is False
+    assert index.apply("p1", 1, h[:2], [], full=True) is False
+    match = index.match_prefix(h)
+    assert match.prefix_blocks == {"p0": 4, "p1": 2}
+    assert (match.best_blocks, match.best_instance) == (4, "p0")
+    assert index.match_prefix(h, ["p1"]).prefix_blocks == {"p1": 2}
+    assert index.apply("p0", 4, [h[4]], []) is True  # seq 3 was lost: resync
+    assert index.apply("p0", 3, [], [h[1]]) is False  # evicting block 1 cuts p0's prefix at 1
+    assert index.match_prefix(h).prefix_blocks == {"p0": 1, "p1": 2}
+    assert index.drop_instance("p1") == 2
+    assert index.match_prefix(h).prefix_blocks == {"p0": 1}
+    assert index.apply("p9", 5, [h[0]], []) is True  # unknown instance: resync
+
+
+def test_kv_streaming_leaves_only_the_last_chunk_to_send_after_token_0():
+    links = LinkModels(TransferModel(latency_s=0.0, bandwidth_bytes_per_s=BPB * 16))  # 16 blocks/s: slow on purpose
+    whole = PrefillCandidate("p0", 0, 0.0, PREFILL)
+    streamed = PrefillCandidate("p0", 0, 0.0, PREFILL, chunk_tokens=512)
+    assert streamed.exposed_tokens(1200, 0) == 176  # chunks of 512, 512, 176
+    assert streamed.exposed_tokens(400, 0) == 400  # one chunk: everything goes after token 0
+    assert streamed.exposed_tokens(1200, 800) == 1200  # 400 new tokens: one chunk
+    plans = [policy().schedule([c], [decode()], shape(1200), SLO, links) for c in (whole, streamed)]
+    assert plans[0].prefill.t_send == pytest.approx(75 / 16)  # 75 blocks
+    assert plans[1].prefill.t_send == pytest.approx(11 / 16)  # the last chunk's 11 blocks
+
+
+def test_a_colocated_instance_busy_decoding_loses_its_cache_advantage():
+    # Both colocated; the holder decodes 12 requests, so each of its prefill steps carries a decode step too.
+    busy_step = DECODE.predict(12, 12 * 600)
+    holder = PrefillCandidate("holder", 640, 0.0, PREFILL, decode_step_s=busy_step, step_tokens=16)
+    idle = PrefillCandidate("idle", 0, 0.0, PREFILL, decode_step_s=DECODE.predict(0, 0), step_tokens=16)
+    assert holder.t_prefill(400, 640) == pytest.approx(PREFILL.predict(400, 640) + 25 * busy_step)
+    decodes = [decode("holder"), decode("idle")]
+    plan = policy().schedule([holder, idle], decodes, shape(1040), SLO, None, colocated=True)
+    assert isinstance(plan, Plan)
+    assert (plan.prefill.instance_id, plan.decode_instance) == ("idle", "idle")
+    quiet = replace(holder, decode_step_s=0.0)
+    plan = policy().schedule([quiet, idle], decodes, shape(1040), SLO, None, colocated=True)
+    assert isinstance(plan, Plan) and (plan.prefill.instance_id, plan.decode_instance) == ("holder", "holder")
+    full = [decode("holder", free=3), decode("idle")]  # the holder has no room: the other takes it
+    plan = policy().schedule([quiet, idle], full, shape(1040), SLO, None, colocated=True)
+    assert isinstance(plan, Plan) and plan.decode_instance == "idle"
+
+
+def test_the_measured_ttft_overhead_counts_for_admission_not_for_the_choice():
+    cluster = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 0, 0.1, PREFILL)]
+    n = 3000  # about 0.7 s of prefill
+    alone = policy().schedule(cluster, [decode()], shape(n), Slo(1.0, 1.0))
+    assert isinstance(alone, Plan) and alone.prefill.instance_id == "p0" and alone.ttft == alone.prefill.ttft
+    late = policy().schedule(cluster, [decode()], shape(n), Slo(1.0, 1.0, ttft_overhead=0.5))
+    assert isinstance(late, Rejection) and late.kind == "ttft_slo"
+    assert late.plan is not None and late.plan.prefill.instance_id == "p0"
+    assert late.plan.ttft == pytest.approx(late.plan.prefill.ttft + 0.5)
+    assert f"{late.plan.ttft * 1e3:.0f} ms" in late.reason
+
+
+def test_idle_instances_admit_a_probe_when_only_the_learned_models_predict_a_miss():
+    contended = PrefillModel(c0=0.002, c1=0.0008, c2=4e-8)  # learned in a burst: 4x slower than the profile
+    n = 2000  # profile: about 0.45 s of prefill; learned: about 1.8 s
+    idle = PrefillCandidate("p0", 0, 0.0, contended, idle=True, profile=PREFILL)
+    d = replace(decode(), profile=DECODE)
+    slo = Slo(max_ttft=1.0, max_tbt=1.0)
+    probe = policy().schedule([idle], [d], shape(n), slo)
+    assert isinstance(probe, Plan) and probe.probe
+    assert probe.ttft > 1.0  # the prediction keeps its numbers
+    assert probe.solo is not None and probe.solo[0] == pytest.approx(PREFILL.predict(n))
+    assert "probe" in probe.reason
+    busy = replace(idle, idle=False)  # something queued or running: the learned models decide
+    assert isinstance(policy().schedule([busy], [d], shape(n), slo), Rejection)
+    decoding = replace(d, residents=(Resident(0.0, 1.0, 100),))
+    assert isinstance(policy().schedule([idle], [decoding], shape(n), slo), Rejection)
+    too_long = policy().schedule([idle], [d], shape(6000), slo)  # over the SLO even under the profile
+    assert isinstance(too_long, Rejection) and too_long.kind == "ttft_slo"
+    assert too_long.plan is not None and too_long.plan.solo is not None and too_long.plan.solo[0] > 1.0
+
+
+def test_the_ttft_overhead_is_a_bounded_median_of_fresh_samples():
+    from scheduler.ttft_overhead import TtftOverhead
+
+    overhead = TtftOverhead(cap_s=0.5, horizon_s=60.0)
+    assert overhead.value(0.0) == 0.0
+    for i, sample in enumerate((0.01, 0.012, 3.0, 0.011, -0.2)):  # one slow outlier, one negative residual
+        overhead.observe(float(i), sample)
+    assert overhead.value(5.0) == pytest.approx(0.011)
+    for i in range(10):
+        overhead.observe(10.0 + i, 2.0)  # a burst of queueing-like samples cannot pass the cap
+    assert overhead.value(20.0) == 0.5
+    assert overhead.value(200.0) == 0.0  # decays: nothing fresh
+
+
+def test_the_peers_rules_are_policies_like_the_others():
+    idle = PrefillCandidate("idle", 0, 0.0, PREFILL)
+    holder = PrefillCandidate("holder", 512, 0.5, PREFILL, in_flight=3, queued_new_tokens=3000)
+    sglang = policy(policy="sglang").schedule([idle, holder], [decode()], shape(1024), SLO, FAST_LINK)
+    assert isinstance(sglang, Plan) and sglang.prefill.instance_id == "holder"  # 50% match beats the load
+    assert not sglang.prefill.copy_from and "SGLang" in sglang.reason
+    dynamo = policy(policy="dynamo").schedule([idle, holder], [decode()], shape(1024), SLO, FAST_LINK)
+    assert isinstance(dynamo, Plan) and dynamo.prefill.instance_id == "idle"  # 64 blocks < 64 + 188 - 32
+    short = replace(holder, prefix_len=256)  # 25% match: the least loaded
+    sglang = policy(policy="sglang").schedule([idle, short], [decode()], shape(1024), SLO, FAST_LINK)
+    assert isinstance(sglang, Plan) and sglang.prefill.instance_id == "idle"
+
+
+def test_every_policy_is_a_valid_scheduler_setting():
+    from scheduler.policy import POLICIES
+    from services.common.config import load_config
+
+    assert {"dynamo", "sglang", "kvcache_centric"} <= set(POLICIES)
+    for name in POLICIES:
+        assert load_config(None, [f'scheduler.policy="{name}"']).scheduler.policy == name

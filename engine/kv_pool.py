@@ -9,7 +9,7 @@ single (address, length) pair::
     |<------------------------- block 0 (bytes_per_block) ------------------------->|<- block 1 ...
     | layer 0: K[block_size, H, D] | V[block_size, H, D] | layer 1: K | V | ... | layer L-1: K | V |
 
-    block_address(b) = base_address + b * bytes_per_block
+    block b starts at base_address + b * bytes_per_block (a transfer engine addresses blocks so)
 
 fp8 KV (``dtype=torch.float8_e4m3fn``): values are stored unscaled (an implicit
 per-tensor scale of 1.0, vLLM's default when a checkpoint has no calibrated
@@ -75,12 +75,6 @@ class KVPool:
     def nbytes(self) -> int:
         """Total size of the pool in bytes."""
         return self.num_blocks * self._bytes_per_block
-
-    def block_address(self, block_id: int) -> int:
-        """Address of the first byte of ``block_id``."""
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block_id {block_id} out of range [0, {self.num_blocks})")
-        return self.base_address + block_id * self._bytes_per_block
 
     def store(
         self, layer_idx: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from typing import Self
 
 import numpy as np
 
@@ -52,7 +53,21 @@ def _lstsq_nonneg(
 
 
 @dataclass(frozen=True)
-class PrefillModel:
+class Coefficients:
+    """A linear model's coefficients by name, for the instance record."""
+
+    def to_dict(self) -> dict[str, float]:
+        """Coefficients by name."""
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float]) -> Self:
+        """Inverse of to_dict (KeyError names a missing coefficient)."""
+        return cls(**{f.name: float(data[f.name]) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PrefillModel(Coefficients):
     """T_prefill(new, cached) in seconds."""
 
     c0: float
@@ -82,18 +97,9 @@ class PrefillModel:
         """Predicted seconds of a step computing ``new_tokens`` with ``work`` attention token pairs."""
         return 0.0 if new_tokens <= 0 else self.c0 + self.c1 * new_tokens + self.c2 * work
 
-    def to_dict(self) -> dict[str, float]:
-        """Coefficients by name, for the instance record."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, float]) -> PrefillModel:
-        """Inverse of to_dict."""
-        return cls(float(data["c0"]), float(data["c1"]), float(data["c2"]))
-
 
 @dataclass(frozen=True)
-class DecodeModel:
+class DecodeModel(Coefficients):
     """T_step(batch, context) in seconds: one decode step of a continuous batch."""
 
     d0: float
@@ -111,15 +117,6 @@ class DecodeModel:
         """Least-squares fit from (batch_size, total_context, seconds) samples."""
         features = [[1.0, float(b), float(c)] for b, c, _ in samples]
         return cls(*_lstsq_nonneg(features, [s for *_, s in samples], weights))
-
-    def to_dict(self) -> dict[str, float]:
-        """Coefficients by name, for the instance record."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, float]) -> DecodeModel:
-        """Inverse of to_dict."""
-        return cls(float(data["d0"]), float(data["d1"]), float(data["d2"]))
 
 
 @dataclass(frozen=True)

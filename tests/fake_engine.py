@@ -99,9 +99,11 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.free += self.owned.pop(request_id, [])
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
+    async def reserve(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    ) -> tuple[list[int] | None, int]:
         await asyncio.sleep(0)  # a real engine answers from another thread
-        return self._allocate(request_id, num_prompt_tokens + params.max_tokens)
+        return self._allocate(request_id, num_prompt_tokens + params.max_tokens), len(self.free)
 
     async def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         return []

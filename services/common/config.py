@@ -107,8 +107,7 @@ class WorkerConfig:
     """``[prefill]``, ``[decode]`` and ``[colocated]``: one pool of engine workers."""
 
     node_count: int = 1  # worker processes in this pool
-    gpu_memory_utilization: float = 0.9  # share of kv_cache_memory_mb given to the KV pool
-    kv_cache_memory_mb: int = 256  # KV memory budget per worker (CPU RAM here)
+    kv_cache_memory_mb: int = 256  # the KV pool of each worker (CPU RAM here)
     max_num_batched_tokens: int = 2048  # prefill chunk: tokens computed per engine step
     enable_prefix_caching: bool = True  # reuse KV of equal prompt prefixes
     prefix_cache_block_size: int = 16  # tokens per KV block (equal in every pool)
@@ -116,14 +115,12 @@ class WorkerConfig:
     max_tbt_ms: float = 200.0  # TBT SLO (decode pool; colocated uses its own)
     max_concurrent_requests: int = 64  # requests decoding at once per worker
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8 e4m3 (a quarter of fp32's bytes)
-    min_mfu: float = 0.0  # accepted for seed compatibility; informational, not enforced on CPU
     torch_threads: int = 1  # torch intra-op threads per worker process
 
     def validate(self, section: str) -> None:
         """Raise ConfigError on a bad value."""
         key = f"[{section}] "
         _check(0 <= self.node_count <= 64, key + "node_count", "must be in 0..64")
-        _check(0 < self.gpu_memory_utilization <= 1, key + "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.kv_cache_memory_mb >= 1, key + "kv_cache_memory_mb", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, key + "max_num_batched_tokens", "must be >= 1")
         _check(
@@ -135,13 +132,12 @@ class WorkerConfig:
         _check(self.max_tbt_ms > 0, key + "max_tbt_ms", "must be > 0")
         _check(self.max_concurrent_requests >= 1, key + "max_concurrent_requests", "must be >= 1")
         _check(self.kv_cache_dtype in ("auto", "fp8"), key + "kv_cache_dtype", 'must be "auto" or "fp8"')
-        _check(0 <= self.min_mfu <= 1, key + "min_mfu", "must be in [0, 1]")
         _check(1 <= self.torch_threads <= 64, key + "torch_threads", "must be in 1..64")
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV pool."""
-        return int(self.kv_cache_memory_mb * self.gpu_memory_utilization * 1024 * 1024)
+        return self.kv_cache_memory_mb * 1024 * 1024
 
 
 def _colocated_default() -> WorkerConfig:
@@ -333,11 +329,20 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return config
 
 
+# Keys that are gone, and what to write instead.
+REMOVED_KEYS = {
+    "gpu_memory_utilization": "removed: it scaled kv_cache_memory_mb, which is now the KV pool's size itself "
+    "(write kv_cache_memory_mb = the old kv_cache_memory_mb x gpu_memory_utilization)",
+    "min_mfu": "removed: it was never enforced; delete the line",
+}
+
+
 def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
     hints = typing.get_type_hints(type(target))
     known = {f.name for f in dataclasses.fields(target)}
     for key, value in values.items():
         name = f"[{section}] {key}"
+        _check(key not in REMOVED_KEYS or key in known, name, REMOVED_KEYS.get(key, ""))
         _check(key in known, name, f"unknown key (known: {', '.join(sorted(known))})")
         setattr(target, key, _coerce(value, hints[key], name))
 

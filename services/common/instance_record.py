@@ -38,25 +38,23 @@ class CostModels:
 
     prefill: PrefillModel
     decode: DecodeModel
-    profile_prefill: PrefillModel
-    profile_decode: DecodeModel
+    # the start-up profile alone: admission's reference for a request on an idle instance (None: not profiled)
+    profile: tuple[PrefillModel, DecodeModel] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record's ``cost_model`` object."""
-        return {
-            "prefill": self.prefill.to_dict(),
-            "decode": self.decode.to_dict(),
-            # the start-up profile alone: admission's reference for a request on an idle instance
-            "profile": {"prefill": self.profile_prefill.to_dict(), "decode": self.profile_decode.to_dict()},
-        }
+        data: dict[str, Any] = {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()}
+        if self.profile is not None:
+            data["profile"] = {"prefill": self.profile[0].to_dict(), "decode": self.profile[1].to_dict()}
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CostModels:
         """Inverse of ``to_json``."""
-        profile = data["profile"]
+        profile = data.get("profile")
         return cls(
             PrefillModel.from_dict(data["prefill"]), DecodeModel.from_dict(data["decode"]),
-            PrefillModel.from_dict(profile["prefill"]), DecodeModel.from_dict(profile["decode"]),
+            (PrefillModel.from_dict(profile["prefill"]), DecodeModel.from_dict(profile["decode"])) if profile else None,
         )  # fmt: skip
 
 

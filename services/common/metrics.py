@@ -43,8 +43,7 @@ PREDICTION_ERROR = Histogram(
     buckets=ERROR_BUCKETS,
 )
 
-# Workers: KV movement through the transfer engine.
-KV_BYTES = Counter("kvconductor_kv_transfer_bytes", "KV bytes moved by the transfer engine", ["direction"])
+# Workers: KV movement through the transfer engine (the byte counts are read from it at scrape time).
 KV_SECONDS = Histogram("kvconductor_kv_transfer_seconds", "Duration of one KV transfer", ["kind"], buckets=GAP_BUCKETS)
 KV_GBPS = Histogram(
     "kvconductor_kv_transfer_gbps",
@@ -57,9 +56,8 @@ KV_GBPS = Histogram(
 HTTP_REQUESTS = Counter("kvconductor_http_requests", "REST requests by route and status", ["route", "status"])
 
 
-def observe_transfer(kind: str, direction: str, num_bytes: int, seconds: float) -> None:
-    """Record one KV transfer (kind: send / copy; direction: sent / copied_in; decode counts "received")."""
-    KV_BYTES.labels(direction).inc(num_bytes)
+def observe_transfer(kind: str, num_bytes: int, seconds: float) -> None:
+    """Time one KV transfer (kind: send / copy)."""
     KV_SECONDS.labels(kind).observe(seconds)
     if seconds > 0:
         KV_GBPS.labels(kind).observe(num_bytes / seconds / 1e9)
@@ -114,3 +112,24 @@ def serve_metrics(host: str, port: int) -> str:
 def register_engine(snapshot: Callable[[], EngineSnapshot]) -> None:
     """Expose an engine's live load (``snapshot`` is called from the scrape thread)."""
     REGISTRY.register(EngineCollector(snapshot))
+
+
+class TransferCollector(Collector):
+    """KV bytes by direction (sent, copied_in, received), read from the transfer engine's counts."""
+
+    def __init__(self, bytes_by_direction: Callable[[], dict[str, int]]) -> None:
+        self.bytes_by_direction = bytes_by_direction
+
+    def collect(self) -> Iterator[Metric]:
+        """One reading."""
+        moved = CounterMetricFamily(
+            "kvconductor_kv_transfer_bytes", "KV bytes moved by the transfer engine", labels=["direction"]
+        )
+        for direction, num_bytes in self.bytes_by_direction().items():
+            moved.add_metric([direction], num_bytes)
+        yield moved
+
+
+def register_transfer(bytes_by_direction: Callable[[], dict[str, int]]) -> None:
+    """Expose a transfer engine's byte counts (called from the scrape thread)."""
+    REGISTRY.register(TransferCollector(bytes_by_direction))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
@@ -15,17 +16,14 @@ from kvconductor.v1 import conductor_pb2
 from scheduler.policy import Plan, PrefillEstimate, Rejection
 
 
+def _estimate(e: PrefillEstimate) -> dict[str, Any]:
+    """The fields a decision shares with each of its candidates: the prefix and the TTFT terms, in ms."""
+    times = {"t_queue_ms": e.t_queue, "t_transfer_ms": e.t_transfer, "t_prefill_ms": e.t_prefill, "t_send_ms": e.t_send}
+    return {"prefix_len": e.prefix_len, "copy_from": e.copy_from} | {k: v * 1e3 for k, v in times.items()}
+
+
 def _candidate(e: PrefillEstimate) -> conductor_pb2.CandidateEstimate:
-    return conductor_pb2.CandidateEstimate(
-        instance_id=e.instance_id,
-        prefix_len=e.prefix_len,
-        copy_from=e.copy_from,
-        t_queue_ms=e.t_queue * 1e3,
-        t_transfer_ms=e.t_transfer * 1e3,
-        t_prefill_ms=e.t_prefill * 1e3,
-        t_send_ms=e.t_send * 1e3,
-        predicted_ttft_ms=e.ttft * 1e3,
-    )
+    return conductor_pb2.CandidateEstimate(instance_id=e.instance_id, predicted_ttft_ms=e.ttft * 1e3, **_estimate(e))
 
 
 def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> conductor_pb2.Decision:
@@ -41,15 +39,10 @@ def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> cond
         conductor_pb2.Decision(
             prefill_instance=e.instance_id,
             decode_instance=plan.decode_instance,
-            prefix_len=e.prefix_len,
             best_len=plan.best_len,
             best_instance=plan.best_instance,
-            copy_from=e.copy_from,
             copy_tokens=e.copy_tokens,
-            t_queue_ms=e.t_queue * 1e3,
-            t_transfer_ms=e.t_transfer * 1e3,
-            t_prefill_ms=e.t_prefill * 1e3,
-            t_send_ms=e.t_send * 1e3,
+            **_estimate(e),
             predicted_ttft_ms=plan.ttft * 1e3,
             predicted_tbt_ms=plan.tbt * 1e3,
             candidates=[_candidate(c) for c in plan.candidates],

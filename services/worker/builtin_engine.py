@@ -124,9 +124,13 @@ class BuiltinEngine:
         with contextlib.suppress(EngineDied):
             await asyncio.shield(self._loop.call(lambda e: e.abort(request_id)))
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
-        """Blocks for prompt + max_tokens, now."""
-        return await self._loop.call_now(lambda e: e.reserve(request_id, num_prompt_tokens, params))
+    async def reserve(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    ) -> tuple[list[int] | None, int]:
+        """Blocks for prompt + max_tokens, now, and the free count after."""
+        return await self._loop.call_now(
+            lambda e: (e.reserve(request_id, num_prompt_tokens, params), e.num_free_blocks)
+        )
 
     async def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Hold cached blocks for a peer (or a copy) to read, now."""

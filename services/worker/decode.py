@@ -25,8 +25,8 @@ import grpc
 from opentelemetry import trace
 
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services.common import metrics
 from services.common.rpc import RpcError, Service
+from services.common.tasks import complete
 from services.worker.worker import Worker, sampling_from_proto, token_chunk
 
 log = logging.getLogger(__name__)
@@ -56,19 +56,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
 
-        async def reserve() -> list[int] | None:
-            blocks = await w.engine.reserve(rid, request.num_prompt_tokens, params)
+        async def reserve() -> tuple[list[int] | None, int]:
+            blocks, free = await w.engine.reserve(rid, request.num_prompt_tokens, params)
             if blocks is not None and rid not in self.reservations:  # released while we allocated
                 await w.engine.abort(rid)
-            return blocks
+            return blocks, free
 
-        blocks = await asyncio.shield(reserve())
-        free = (await w.engine.load()).num_free_blocks
+        blocks, free = await complete(reserve())
         if blocks is None:
             self.reservations.pop(rid, None)
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
         layout = w.engine.layout
-        prompt_blocks = blocks[: w.num_kv_blocks(request.num_prompt_tokens)]
+        prompt_blocks = blocks[: layout.num_blocks_for(request.num_prompt_tokens)]
         target = common_pb2.KVBlockTarget(
             transfer_endpoint=w.transfer.endpoint,
             block_addresses=[layout.block_address(b) for b in prompt_blocks],
@@ -82,10 +81,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.reservations.pop(rid, None) is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)")
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
-        num_blocks = w.num_kv_blocks(len(prompt))
-        w.counters.blocks_received += num_blocks
-        w.counters.bytes_received += num_blocks * w.engine.layout.bytes_per_block
-        metrics.KV_BYTES.labels("received").inc(num_blocks * w.engine.layout.bytes_per_block)
+        num_blocks = w.engine.layout.num_blocks_for(len(prompt))
+        w.transfer.count_received(num_blocks, num_blocks * w.engine.layout.bytes_per_block)
         span = trace.get_current_span()
         gaps: list[float] = []
         last: float | None = None

@@ -125,8 +125,10 @@ class EnginePort(Protocol):
     async def abort(self, request_id: str) -> None:
         """Drop a request (waiting, running, held or reserved) and free its blocks; unknown ids are ignored."""
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> list[int] | None:
-        """Blocks for a whole request whose prompt KV arrives from elsewhere; None if too few are free."""
+    async def reserve(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    ) -> tuple[list[int] | None, int]:
+        """Blocks for a request whose prompt KV arrives from elsewhere (None if too few), and the free count after."""
 
     def decode(
         self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams

@@ -31,11 +31,11 @@ class KVStreamer:
     """Sends a request's prompt blocks into a destination as they become final."""
 
     def __init__(
-        self, transfer: KVTransferEngine, pool: KVLayout, destination: common_pb2.KVBlockTarget, timeout_s: float
+        self, transfer: KVTransferEngine, layout: KVLayout, destination: common_pb2.KVBlockTarget, timeout_s: float
     ) -> None:
         self.transfer = transfer
         self.timeout_s = timeout_s
-        self.pool = pool
+        self.layout = layout
         self.destination = destination
         self.sent = 0  # leading blocks handed to the transfer engine
         self.bytes = 0
@@ -48,7 +48,7 @@ class KVStreamer:
         num_blocks = min(num_blocks, len(self.destination.block_addresses))
         if num_blocks <= self.sent:
             return
-        sources = [self.pool.block_address(b) for b in block_ids[self.sent : num_blocks]]
+        sources = [self.layout.block_address(b) for b in block_ids[self.sent : num_blocks]]
         targets = list(self.destination.block_addresses[self.sent : num_blocks])
         self.sent = num_blocks
         self._last = asyncio.ensure_future(self._write(self._last, sources, targets))

@@ -72,11 +72,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             # Shielded: a cancelled caller must not cut the cleanup short and leave blocks held.
             await asyncio.shield(self._settle(rid, streamer, finished))
-        w.counters.bytes_sent += streamer.bytes
-        w.counters.blocks_sent += streamer.blocks
-        metrics.observe_transfer("send", "sent", streamer.bytes, streamer.seconds)
+        metrics.observe_transfer("send", streamer.bytes, streamer.seconds)
         if copy is not None and copy.bytes:
-            metrics.observe_transfer("copy", "copied_in", copy.bytes, copy.seconds)
+            metrics.observe_transfer("copy", copy.bytes, copy.seconds)
         await w.publish_kv_events()
         return prefill_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0],
@@ -114,7 +112,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.ReleaseBlocksResponse(released=await self.exports.release(request.export_id))
 
     def _check_destination(self, destination: common_pb2.KVBlockTarget, num_prompt_tokens: int) -> None:
-        num_blocks = self.worker.num_kv_blocks(num_prompt_tokens)
+        num_blocks = self.worker.engine.layout.num_blocks_for(num_prompt_tokens)
         if len(destination.block_addresses) != num_blocks:
             raise ValueError(
                 f"destination has {len(destination.block_addresses)} blocks, the prompt needs {num_blocks}"

@@ -23,7 +23,7 @@ them with compute.
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mooncake.engine import TransferEngine
 
@@ -63,8 +63,25 @@ def coalesce(src_addrs: Sequence[int], dst_addrs: Sequence[int], length: int) ->
     return srcs, dsts, lengths
 
 
+@dataclass
+class TransferCounts:
+    """KV moved by one process's transfer engine: the one count behind ``GetLoad`` and ``/metrics``.
+
+    Written and read are this process's own transfers (a prefill's send, a KV copy's read); received is what
+    peers wrote into its memory, which a one-sided write does not tell it: the request that consumes the
+    blocks counts them (``count_received``).
+    """
+
+    bytes_written: int = 0
+    blocks_written: int = 0
+    bytes_read: int = 0
+    blocks_read: int = 0
+    bytes_received: int = 0
+    blocks_received: int = 0
+
+
 class KVTransferEngine:
-    """One Mooncake Transfer Engine per process, with byte and block counters."""
+    """One Mooncake Transfer Engine per process, with its byte and block counts."""
 
     def __init__(
         self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", merge: bool = True
@@ -82,10 +99,7 @@ class KVTransferEngine:
                 f"{device_name!r}) returned {status}"
             )
         self._lock = threading.Lock()
-        self._bytes_written = 0
-        self._bytes_read = 0
-        self._blocks_written = 0
-        self._blocks_read = 0
+        self._counts = TransferCounts()
 
     @property
     def endpoint(self) -> str:
@@ -106,8 +120,8 @@ class KVTransferEngine:
         """Write local blocks at `src_addrs` to the peer's `dst_addrs`, `length` bytes each."""
         result = self._transfer("write", peer_endpoint, src_addrs, dst_addrs, length)
         with self._lock:
-            self._bytes_written += result.bytes
-            self._blocks_written += result.blocks
+            self._counts.bytes_written += result.bytes
+            self._counts.blocks_written += result.blocks
         return result
 
     def read_blocks(
@@ -116,8 +130,8 @@ class KVTransferEngine:
         """Read the peer's blocks at `remote_addrs` into local `local_addrs`, `length` bytes each."""
         result = self._transfer("read", peer_endpoint, local_addrs, remote_addrs, length)
         with self._lock:
-            self._bytes_read += result.bytes
-            self._blocks_read += result.blocks
+            self._counts.bytes_read += result.bytes
+            self._counts.blocks_read += result.blocks
         return result
 
     def probe(self, peer_endpoint: str, local_addr: int, remote_addr: int, nbytes: int) -> float:
@@ -145,26 +159,13 @@ class KVTransferEngine:
             )
         return TransferResult(len(local) * length, len(local), seconds)
 
-    @property
-    def bytes_written(self) -> int:
-        """Total bytes written to peers by `write_blocks`."""
+    def count_received(self, blocks: int, nbytes: int) -> None:
+        """Count blocks a peer wrote into this process's memory."""
         with self._lock:
-            return self._bytes_written
+            self._counts.bytes_received += nbytes
+            self._counts.blocks_received += blocks
 
-    @property
-    def bytes_read(self) -> int:
-        """Total bytes read from peers by `read_blocks`."""
+    def counts(self) -> TransferCounts:
+        """The counts now (a copy; any thread)."""
         with self._lock:
-            return self._bytes_read
-
-    @property
-    def blocks_written(self) -> int:
-        """Total blocks written to peers by `write_blocks`."""
-        with self._lock:
-            return self._blocks_written
-
-    @property
-    def blocks_read(self) -> int:
-        """Total blocks read from peers by `read_blocks`."""
-        with self._lock:
-            return self._blocks_read
+            return replace(self._counts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
+from services.common import metrics
 from services.common.config import Config, WorkerConfig
 from services.common.instance_record import CostModels, KVShape, WorkerRecord
 from services.common.registry import Registry
@@ -26,19 +27,9 @@ from services.worker import builtin_engine
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_port import EnginePort
 from services.worker.kv_events import KvEventPublisher
-from services.worker.transfer import KVTransferEngine
+from services.worker.transfer import KVTransferEngine, TransferCounts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class KvCounters:
-    """KV bytes and blocks moved through the transfer engine by this worker."""
-
-    bytes_sent: int = 0
-    blocks_sent: int = 0
-    bytes_received: int = 0
-    blocks_received: int = 0
 
 
 @dataclass
@@ -56,15 +47,10 @@ class Worker:
     refiner: CostRefiner
     prefill_model: PrefillModel
     decode_model: DecodeModel
-    counters: KvCounters = field(default_factory=KvCounters)
     num_reserved: Callable[[], int] = lambda: 0
     address: str = ""  # set when the server is bound
     metrics_address: str = ""
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint, once it listens
-
-    def num_kv_blocks(self, num_tokens: int) -> int:
-        """KV blocks holding ``num_tokens`` tokens (the last one may be partial)."""
-        return self.engine.layout.num_blocks_for(num_tokens)
 
     def record(self, address: str, metrics_address: str) -> WorkerRecord:
         """The etcd record describing this instance."""
@@ -78,7 +64,7 @@ class Worker:
             max_concurrent_requests=self.pool_config.max_concurrent_requests,
             kv_layout=KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                               layout.bytes_per_block),
-            cost_model=CostModels(self.prefill_model, self.decode_model, *self.refiner.profile_models()),
+            cost_model=CostModels(self.prefill_model, self.decode_model, self.refiner.profile_models()),
             openai_url=self.openai_url,
         )  # fmt: skip
 
@@ -120,6 +106,7 @@ def build_worker(config: Config, role: str, instance_id: str, registry: Registry
     engine, refiner = builtin_engine.build(config, role, pool_config)
     transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
     transfer.register(engine.layout.base_address, engine.layout.nbytes)
+    metrics.register_transfer(lambda: _bytes_by_direction(transfer.counts()))
     prefill_model, decode_model = refiner.fit()
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
@@ -127,6 +114,10 @@ def build_worker(config: Config, role: str, instance_id: str, registry: Registry
         role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
         decode_model,
     )  # fmt: skip
+
+
+def _bytes_by_direction(c: TransferCounts) -> dict[str, int]:
+    return {"sent": c.bytes_written, "copied_in": c.bytes_read, "received": c.bytes_received}
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -167,6 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         load = await w.engine.load()
         beats, age = w.engine.heartbeat()
+        moved = w.transfer.counts()
         return worker_pb2.WorkerLoad(
             instance_id=w.instance_id,
             role=w.role,
@@ -175,10 +167,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_free_blocks=load.num_free_blocks,
             num_total_blocks=load.num_total_blocks,
             num_reserved=w.num_reserved(),
-            kv_bytes_sent=w.counters.bytes_sent,
-            kv_blocks_sent=w.counters.blocks_sent,
-            kv_bytes_received=w.counters.bytes_received,
-            kv_blocks_received=w.counters.blocks_received,
+            kv_bytes_sent=moved.bytes_written,
+            kv_blocks_sent=moved.blocks_written,
+            kv_bytes_received=moved.bytes_received,
+            kv_blocks_received=moved.blocks_received,
             prefix_cache_query_tokens=load.prefix_cache_query_tokens,
             prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
             engine_beats=beats,

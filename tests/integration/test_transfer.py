@@ -101,7 +101,7 @@ def test_write_blocks_land_exactly(peer: Peer, local: tuple[KVTransferEngine, to
     engine.merge = merge
     pool.copy_(random_pool(1))
     peer.fill(torch.zeros(POOL_BYTES, dtype=torch.uint8))
-    written_before, blocks_before = engine.bytes_written, engine.blocks_written
+    before = engine.counts()
 
     result = engine.write_blocks(peer.endpoint, blocks_of(pool, SRC_IDS), [peer.addr(i) for i in DST_IDS], BLOCK)
 
@@ -111,8 +111,8 @@ def test_write_blocks_land_exactly(peer: Peer, local: tuple[KVTransferEngine, to
     assert torch.equal(peer.dump(), expected)
     assert (result.bytes, result.blocks) == (len(SRC_IDS) * BLOCK, len(SRC_IDS))
     assert result.seconds > 0
-    assert engine.bytes_written - written_before == result.bytes
-    assert engine.blocks_written - blocks_before == len(SRC_IDS)
+    assert engine.counts().bytes_written - before.bytes_written == result.bytes
+    assert engine.counts().blocks_written - before.blocks_written == len(SRC_IDS)
 
 
 def test_read_blocks_pull_exactly(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
@@ -120,7 +120,7 @@ def test_read_blocks_pull_exactly(peer: Peer, local: tuple[KVTransferEngine, tor
     remote = random_pool(2)
     peer.fill(remote)
     pool.zero_()
-    read_before = engine.bytes_read
+    read_before = engine.counts().bytes_read
 
     result = engine.read_blocks(peer.endpoint, blocks_of(pool, DST_IDS), [peer.addr(i) for i in SRC_IDS], BLOCK)
 
@@ -128,15 +128,15 @@ def test_read_blocks_pull_exactly(peer: Peer, local: tuple[KVTransferEngine, tor
     for s, d in zip(SRC_IDS, DST_IDS, strict=True):
         expected[d * BLOCK : (d + 1) * BLOCK] = remote[s * BLOCK : (s + 1) * BLOCK]
     assert torch.equal(pool, expected)
-    assert engine.bytes_read - read_before == result.bytes == len(SRC_IDS) * BLOCK
-    assert engine.blocks_read == len(SRC_IDS)
+    assert engine.counts().bytes_read - read_before == result.bytes == len(SRC_IDS) * BLOCK
+    assert engine.counts().blocks_read == len(SRC_IDS)
 
 
 def test_probe_and_validation(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
     engine, pool = local
-    written = engine.bytes_written
+    written = engine.counts().bytes_written
     assert engine.probe(peer.endpoint, pool.data_ptr(), peer.base, 1 << 20) > 0
-    assert engine.bytes_written == written  # probes are not KV traffic
+    assert engine.counts().bytes_written == written  # probes are not KV traffic
     with pytest.raises(ValueError, match="local addresses"):
         engine.write_blocks(peer.endpoint, [pool.data_ptr()], [], BLOCK)
     with pytest.raises(ValueError, match="protocol"):

@@ -30,9 +30,11 @@ async def served():
     engine = FakeEngine(num_blocks=64, step_s=0.002)
     engine.start()
     config = load_config(None, ["cluster.kv_transfer_timeout_s=30"])
+    received = []  # the decode worker counts the blocks a prefill wrote into its reservation
+    transfer = SimpleNamespace(endpoint="127.0.0.1:1", count_received=lambda blocks, nbytes: received.append(blocks))
     worker = Worker(
-        "decode", "decode-0", config, config.decode, engine, SimpleNamespace(endpoint="127.0.0.1:1"), None, None,
-        None, PrefillModel(0, 0, 0), DecodeModel(0, 0, 0),
+        "decode", "decode-0", config, config.decode, engine, transfer, None, None, None, PrefillModel(0, 0, 0),
+        DecodeModel(0, 0, 0),
     )  # fmt: skip
     services, servicer = decode.services(worker)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])

@@ -7,6 +7,7 @@ Conductor builds them, from workers' etcd records (``services.conductor.cluster_
 core: every decision must come out identical.
 """
 
+import json
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from scheduler.policy import ConductorPolicy, Plan, Rejection
 from scheduler.sim.profiles import Profile
 from scheduler.sim.simulator import SimConfig, Simulator
 from scheduler.sim.trace import TraceRequest, block_hash
+from services.common.instance_record import CostModels, InstanceRecord, KVShape, WorkerRecord
 from services.conductor.cluster_view import _state
 
 BS = 512
@@ -96,10 +98,15 @@ def _live_states(states):
     """Each instance as the live Conductor sees it: built from the record its worker would publish."""
     live = {}
     for s in states:
-        record = {"cost_model": {"prefill": s.prefill_model.to_dict(), "decode": s.decode_model.to_dict()},
-                  "num_blocks": s.num_blocks, "max_concurrent_requests": s.max_running,
-                  "max_num_batched_tokens": s.chunk_tokens}  # fmt: skip
-        live[s.instance_id] = _state(s.role, s.instance_id, record, None)
+        record = WorkerRecord(
+            role=s.role, instance_id=s.instance_id, address="127.0.0.1:1", model="m", transfer_endpoint="127.0.0.1:2",
+            block_size=BS, num_blocks=s.num_blocks, max_concurrent_requests=s.max_running,
+            max_num_batched_tokens=s.chunk_tokens, kv_layout=KVShape(1, 1, 1, "float32", 1),
+            cost_model=CostModels(s.prefill_model, s.decode_model, s.profile),
+        )  # fmt: skip
+        published = InstanceRecord.from_json(json.loads(json.dumps(record.to_json())))
+        assert isinstance(published, WorkerRecord)
+        live[s.instance_id] = _state(published, None)
     return live
 
 

@@ -25,6 +25,12 @@ def test_defaults_are_valid_and_the_deploy_config_loads():
         ({"decode": {"prefix_cache_block_size": 32}}, "[decode] prefix_cache_block_size"),
         ({"prefill": {"enable_prefix_caching": 1}}, "[prefill] enable_prefix_caching: must be true or false"),
         ({"prefill": {"node_count": 0}, "colocated": {"node_count": 0}}, "node_count"),
+        (
+            {"decode": {"gpu_memory_utilization": 0.85}},
+            "[decode] gpu_memory_utilization: removed: it scaled "
+            "kv_cache_memory_mb, which is now the KV pool's size itself",
+        ),
+        ({"prefill": {"min_mfu": 0.35}}, "[prefill] min_mfu: removed: it was never enforced"),
     ],
 )
 def test_bad_values_name_the_key(data, named):

@@ -13,7 +13,7 @@ WORKER = WorkerRecord(
     vocab_size=256, max_num_batched_tokens=512, max_concurrent_requests=8,
     kv_layout=KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", bytes_per_block=8192),
     cost_model=CostModels(PrefillModel(1e-3, 2e-5, 3e-9), DecodeModel(4e-3, 5e-5, 6e-8),
-                          PrefillModel(1e-3, 1e-5, 0.0), DecodeModel(4e-3, 0.0, 0.0)),
+                          (PrefillModel(1e-3, 1e-5, 0.0), DecodeModel(4e-3, 0.0, 0.0))),
 )  # fmt: skip
 
 

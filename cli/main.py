@@ -18,7 +18,7 @@ kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a gl
   kvconductor serve prefill --config C --id prefill-0   one process, for multi-machine deployments
   kvconductor status --config C                         instances, load, cost models, prediction errors
   kvconductor explain REQUEST_ID --config C             why the Conductor placed (or refused) a request
-  kvconductor make-model --out models/tiny-llama        the small random-weight default model
+  kvconductor make-model --out models/tiny-llama        the small random-weight model of the tests
   kvconductor generate --cluster --prompt "Hello"       one prompt through the running cluster's Conductor
   kvconductor generate --model M --prompt "Hello"       one prompt through the engine in this process
   kvconductor bench serve --base-url URL --model M      streaming load against any OpenAI-compatible URL
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("request_id", help="the request id (x-request-id, or the id in the response)")
     _add_config_args(explain)
 
-    make = sub.add_parser("make-model", help="write the small random-weight default model (Hugging Face layout)")
+    make = sub.add_parser("make-model", help="write the small random-weight model the tests use (Hugging Face layout)")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
 

@@ -25,7 +25,8 @@ TEST_OVERRIDES = (
 
 def launch_cluster(run_dir: Path, model: Path, *overrides: str) -> LocalCluster:
     """A cluster of the test model on free loopback ports, with small KV pools and short leases."""
-    return local_cluster.start("deploy/config.toml", [f'model.path="{model}"', *TEST_OVERRIDES, *overrides], run_dir)
+    model_args = [f'model.path="{model}"', 'model.name="tiny-llama"', 'model.source=""']
+    return local_cluster.start("deploy/config.toml", [*model_args, *TEST_OVERRIDES, *overrides], run_dir)
 
 
 def stop_cluster(process: subprocess.Popen[bytes]) -> None:

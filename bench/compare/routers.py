@@ -55,7 +55,7 @@ from bench.serve import metrics
 from bench.serve.cli import build_workload
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import shared_prefix
-from cli.local_cluster import local_cluster, stop
+from cli.local_cluster import TINY_MODEL, local_cluster, stop
 from services.common.net import free_port
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
@@ -316,7 +316,7 @@ def cluster_manifest(args: argparse.Namespace, root: Path) -> Iterator[dict[str,
         return
     overrides = [*args.set, *COLOCATED]
     print(f"[routers] starting the colocated cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
-    with local_cluster(args.config, overrides, root / "cluster") as cluster:
+    with local_cluster(args.config, [*TINY_MODEL, *overrides], root / "cluster") as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
         yield {**json.loads((cluster.run_dir / "cluster.json").read_text()), "startup_s": cluster.startup_s}
 

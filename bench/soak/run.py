@@ -44,7 +44,7 @@ from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import BenchRequest, random_lengths, shared_prefix
 from bench.soak import report
 from bench.soak.probe import Prober, cluster_processes, worker_addresses
-from cli.local_cluster import REPO, local_cluster
+from cli.local_cluster import REPO, TINY_MODEL, local_cluster
 
 DEFAULT_OUT = "a fresh folder under runs/bench/"
 DEFAULT_REQUESTS = 150
@@ -212,7 +212,7 @@ def cluster(args: argparse.Namespace, log: Log) -> Iterator[Cluster]:
     overrides = (*DISAGGREGATED, *SMALL_KV, *args.set)
     log(f"starting a cluster (kvconductor up; logs in {run_dir}): {' '.join(overrides)}")
     try:
-        with local_cluster(args.config, overrides, run_dir) as running:
+        with local_cluster(args.config, (*TINY_MODEL, *overrides), run_dir) as running:
             log(f"cluster up in {running.startup_s:.1f} s at {running.manifest['rest']}")
             description = "own: 1 prefill + 1 decode, " + ", ".join(overrides[3:])
             yield Cluster(running.manifest, running.process.pid, description, str(run_dir))

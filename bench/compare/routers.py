@@ -384,7 +384,7 @@ def workers_markdown(record: dict[str, Any], levels: Sequence[int]) -> str:
 
 def markdown(record: dict[str, Any], title: str, levels: Sequence[int]) -> str:
     """routers.md: the table, what the workers saw, what was skipped or failed."""
-    lines = [f"{title}; code {record['code']}\n", report.markdown_table(table(record, levels)),
+    lines = [f"{title}; code {record['code']}; `{record['command']}`\n", report.markdown_table(table(record, levels)),
              "\nWhat the workers saw (their own /metrics: share of the prompt tokens each engine looked up, and "
              "its prefix-cache hit rate; probe: shares of a prefix sent 4 times in a row):\n",
              workers_markdown(record, levels)]  # fmt: skip
@@ -416,7 +416,7 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     """Run the comparison and write ``routers.{json,md,png}``; the JSON record."""
     t0 = time.monotonic()
     result = compare_routers(args, root)
-    record = {"kind": "routers", "code": code, "wall_s": time.monotonic() - t0, **result,
+    record = {"kind": "routers", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0, **result,
               "workload": {k: getattr(args, k) for k in ("workload", "endpoint", "num_requests", "num_prefixes",
                            "suffixes_per_prefix", "prefix_len", "suffix_len", "output_len", "seed", "concurrency",
                            "ttft_slo_ms", "tpot_slo_ms")}, "overrides": args.set}  # fmt: skip

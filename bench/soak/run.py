@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import signal
 import sys
 import threading
@@ -340,6 +341,7 @@ def record_of(args: argparse.Namespace, target: Cluster, n: int, run_: dict[str,
     return {
         "kind": "soak",
         "code": git_state(),
+        "command": "python -m bench.soak.run " + shlex.join(sys.argv[1:]),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": wall_s,
         "config": config,

@@ -69,3 +69,13 @@ def test_sim_readme_prose_numbers_come_from_the_json():
     missing = [c for c in claims if c not in readme]
     assert not missing, f"README.md disagrees with the JSON: {missing}"
     assert sum(overload["plain"]["rejections"].values()) == sum(overload["prediction"]["rejections"].values())
+
+
+def test_every_committed_result_names_clean_code_and_its_command():
+    results = SIM.parent
+    for path in sorted(results.glob("*/*.json")):
+        record = json.loads(path.read_text())
+        assert record.get("command"), f"{path.relative_to(results)} does not say which command made it"
+        assert record.get("code") and "uncommitted" not in record["code"], (
+            f"{path.relative_to(results)}: {record.get('code')}"
+        )

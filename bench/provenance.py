@@ -18,7 +18,9 @@ def git_state() -> str:
     """HEAD and whether the working tree had changes: the code the run ran."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True)
+        # Committed results are outputs, not code: a run that rewrites them leaves the next run's code clean.
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", ".", ":!bench/results"], cwd=REPO,
+                               capture_output=True, text=True)  # fmt: skip
     except OSError:
         return "unknown"
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")

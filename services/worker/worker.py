@@ -8,6 +8,7 @@ Transfer Engine, measures its own cost models, and then serves its role's RPCs p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,24 +156,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: Any) -> worker_pb2.WorkerLoad:  # noqa: N802
         """Live load and counters."""
         w = self.worker
-
-        load = await w.engine.load()
+        load = await w.engine.load()  # its fields are WorkerLoad's, by name
         beats, age = w.engine.heartbeat()
         moved = w.transfer.counts()
         return worker_pb2.WorkerLoad(
-            instance_id=w.instance_id,
-            role=w.role,
-            num_waiting=load.num_waiting,
-            num_running=load.num_running,
-            num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks,
-            num_reserved=w.num_reserved(),
-            kv_bytes_sent=moved.bytes_written,
-            kv_blocks_sent=moved.blocks_written,
-            kv_bytes_received=moved.bytes_received,
-            kv_blocks_received=moved.blocks_received,
-            prefix_cache_query_tokens=load.prefix_cache_query_tokens,
-            prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
-            engine_beats=beats,
-            engine_heartbeat_age_s=age,
-        )
+            instance_id=w.instance_id, role=w.role, num_reserved=w.num_reserved(), **dataclasses.asdict(load),
+            kv_bytes_sent=moved.bytes_written, kv_blocks_sent=moved.blocks_written,
+            kv_bytes_received=moved.bytes_received, kv_blocks_received=moved.blocks_received,
+            engine_beats=beats, engine_heartbeat_age_s=age,
+        )  # fmt: skip

@@ -13,6 +13,7 @@ import grpc
 from cli import local_cluster
 from cli.local_cluster import LocalCluster
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.instance_record import InstanceRecord, WorkerRecord
 
 MAX_TOKENS = 12
 
@@ -71,8 +72,9 @@ def address_of(cluster, instance_id):
 def bytes_per_block(cluster):
     with grpc.insecure_channel(cluster.conductor) as channel:
         status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
-    record = json.loads(next(i.record_json for i in status.instances if i.role == "decode"))
-    return record["kv_layout"]["bytes_per_block"]
+    record = InstanceRecord.from_json(json.loads(next(i.record_json for i in status.instances if i.role == "decode")))
+    assert isinstance(record, WorkerRecord)
+    return record.kv.bytes_per_block
 
 
 def kvmeta_matches(cluster, block_hashes):

@@ -275,7 +275,7 @@ def test_colocated_worker_serves_the_openai_api_itself(cluster):
     from services.common.registry import Registry
 
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        url = registry.list("colocated")[("colocated", "colocated-0")]["openai_url"]
+        url = registry.list("colocated")[("colocated", "colocated-0")].openai_url
     deadline = time.monotonic() + 10
     while httpx.get(f"{url}/health", timeout=5).status_code != 200:
         assert time.monotonic() < deadline

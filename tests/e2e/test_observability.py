@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvconductor.v1 import conductor_pb2, worker_pb2, worker_pb2_grpc
+from services.common.instance_record import InstanceRecord
 from services.common.registry import Registry
 
 
@@ -25,7 +26,7 @@ def _spans(run_dir: Path) -> list[dict]:
     return spans
 
 
-def _records(cluster) -> dict[tuple[str, str], dict]:
+def _records(cluster) -> dict[tuple[str, str], InstanceRecord]:
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
         return registry.list()
 
@@ -85,20 +86,18 @@ def test_metrics_endpoints_report_traffic(cluster):
         helpers.grpc_generate(cluster, list(range(1, n)), conductor_pb2.DEPLOYMENT_DISAGGREGATED)
     httpx.get(f"{cluster.rest}/models", timeout=10)
     records = _records(cluster)
-    conductor = _scrape(records[("conductor", "conductor-0")]["metrics_address"])
+    conductor = _scrape(records[("conductor", "conductor-0")].metrics_address)
     assert conductor['kvconductor_requests_total{outcome="completed",path="disaggregated"}'] >= 2
     assert conductor['kvconductor_ttft_seconds_count{path="disaggregated"}'] >= 2
     assert conductor['kvconductor_ttft_seconds_sum{path="disaggregated"}'] > 0
     assert conductor["kvconductor_prompt_tokens_total"] >= 49 + 119
     assert conductor['kvconductor_prediction_relative_error_count{metric="ttft"}'] >= 2
     prefill_sent = sum(
-        _scrape(records[("prefill", i)]["metrics_address"]).get(
-            'kvconductor_kv_transfer_bytes_total{direction="sent"}', 0
-        )
+        _scrape(records[("prefill", i)].metrics_address).get('kvconductor_kv_transfer_bytes_total{direction="sent"}', 0)
         for i in ("prefill-0", "prefill-1")
     )
     assert prefill_sent > 0
-    decode = _scrape(records[("decode", "decode-0")]["metrics_address"])
+    decode = _scrape(records[("decode", "decode-0")].metrics_address)
     assert decode['kvconductor_kv_transfer_bytes_total{direction="received"}'] == prefill_sent
     assert decode['kvconductor_kv_blocks{state="free"}'] > 0
     assert 'kvconductor_queue_length{state="running"}' in decode

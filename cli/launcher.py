@@ -217,6 +217,9 @@ class Cluster:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
+            # Its session too: an engine's child processes (vLLM's EngineCore) may outlive a killed worker.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.process.pid, signal.SIGKILL)
         self.children.clear()
         if self.etcd is not None:
             self.etcd.stop()

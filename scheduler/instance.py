@@ -26,6 +26,7 @@ class InstanceState:
     max_running: int  # max_concurrent_requests
     chunk_tokens: int  # max_num_batched_tokens: the prefill chunk (and a colocated step's token budget)
     profile: tuple[PrefillModel, DecodeModel] | None = None  # the start-up profile's models
+    exports_kv: bool = True  # its cached blocks can be copied to a peer
     prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
     decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
 
@@ -38,13 +39,14 @@ class InstanceState:
             return PrefillCandidate(
                 self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=self.chunk_tokens,
                 idle=not self.prefilling, profile=profile, in_flight=in_flight, queued_new_tokens=queued,
+                exports_kv=self.exports_kv,
             )  # fmt: skip
         decoding = [r for r in self.decoding.residents(now) if r.t_join <= 0]
         step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
         return PrefillCandidate(
             self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step,
             step_tokens=self.chunk_tokens, idle=not self.prefilling and not self.decoding, profile=profile,
-            in_flight=in_flight, queued_new_tokens=queued,
+            in_flight=in_flight, queued_new_tokens=queued, exports_kv=self.exports_kv,
         )  # fmt: skip
 
     def decode_candidate(self, now: float) -> DecodeCandidate:

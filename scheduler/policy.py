@@ -54,6 +54,7 @@ class PrefillCandidate:
     profile: PrefillModel | None = None  # the instance's start-up profile (admission's reference when idle)
     in_flight: int = 0  # requests whose prefill is queued or running here (the peers' rules count them)
     queued_new_tokens: int = 0  # tokens still to compute for them
+    exports_kv: bool = True  # peers can copy its cached blocks (False for vLLM, whose pool is inside EngineCore)
 
     def t_prefill(self, new_tokens: int, cached_tokens: int) -> float:
         """Predicted prefill time here, including the decode steps it shares on a colocated instance."""
@@ -229,7 +230,7 @@ class ConductorPolicy:
             return Rejection(f"no instance is available with {request.num_blocks} free KV blocks and a free slot")
         best = max(prefills, key=lambda p: (request.usable_prefix(p.prefix_len), p.instance_id))
         best_len = request.usable_prefix(best.prefix_len)
-        can_copy = links is not None and self.rule.copies
+        can_copy = links is not None and self.rule.copies and best.exports_kv
         estimates = tuple(self._estimate(p, best if can_copy else None, request, links) for p in prefills)
         chosen = self.rule.choose(estimates, prefills, request)
         at = chosen.ttft if self.config.early_rejection == "prediction" else 0.0

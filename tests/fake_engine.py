@@ -19,6 +19,8 @@ from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout
 class FakeEngine:
     """Implements services.worker.engine_port.EnginePort."""
 
+    moves_kv_itself = False
+
     def __init__(self, num_blocks: int = 64, block_size: int = 16, step_s: float = 0.001) -> None:
         self.layout = KVLayout(
             block_size=block_size, num_blocks=num_blocks, bytes_per_block=1024, base_address=1 << 20, num_layers=1,

@@ -108,6 +108,22 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16"), "[model] dtype", 'must be "float32" or "bfloat16"')
 
 
+ENGINE_BACKENDS = ("builtin", "vllm")
+
+
+@dataclass
+class EngineConfig:
+    """``[engine]``: the engine every worker of the cluster runs (one backend per cluster)."""
+
+    # "builtin": the paged torch engine of this repository; "vllm": vLLM (AsyncLLM in the worker process, its
+    # EngineCore in a child), prompt KV moved by vLLM's MooncakeConnector, KV events from vLLM's cache
+    backend: str = "builtin"
+
+    def validate(self) -> None:
+        """Raise ConfigError on a bad value."""
+        _check(self.backend in ENGINE_BACKENDS, "[engine] backend", 'must be "builtin" or "vllm"')
+
+
 @dataclass
 class WorkerConfig:
     """``[prefill]``, ``[decode]`` and ``[colocated]``: one pool of engine workers."""
@@ -255,6 +271,7 @@ class Config:
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     colocated: WorkerConfig = field(default_factory=_colocated_default)
@@ -271,6 +288,7 @@ class Config:
         """Validate every section and the rules that span sections."""
         self.cluster.validate()
         self.model.validate()
+        self.engine.validate()
         for name in ("prefill", "decode", "colocated"):
             getattr(self, name).validate(name)
         self.scheduler.validate()
@@ -287,6 +305,17 @@ class Config:
             "[decode] kv_cache_dtype",
             f"must equal [prefill] kv_cache_dtype ({self.prefill.kv_cache_dtype!r}): KV moves between them as bytes",
         )
+        if self.engine.backend == "vllm":
+            _check(
+                self.block_size % 32 == 0,
+                "[prefill] prefix_cache_block_size",
+                'must be a multiple of 32 with [engine] backend = "vllm" (vLLM\'s CPU attention)',
+            )
+            _check(
+                self.prefill.kv_cache_dtype == "auto",
+                "[prefill] kv_cache_dtype",
+                'must be "auto" with [engine] backend = "vllm"',
+            )
         disaggregated = self.prefill.node_count > 0 and self.decode.node_count > 0
         _check(
             disaggregated or self.colocated.node_count > 0,

@@ -102,6 +102,13 @@ class WorkerRecord(InstanceRecord):
     kv_layout: KVShape | None = None
     cost_model: CostModels | None = None
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint ("" for others)
+    engine: str = "builtin"  # [engine] backend: "builtin" or "vllm"
+    kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server (http://host:port)
+
+    @property
+    def exports_kv(self) -> bool:
+        """Whether peers can read its cached blocks (KV copies); vLLM's pool lives inside its EngineCore."""
+        return self.engine == "builtin"
 
     @property
     def kv(self) -> KVShape:
@@ -132,4 +139,5 @@ class WorkerRecord(InstanceRecord):
             vocab_size=int(data["vocab_size"]), max_num_batched_tokens=int(data["max_num_batched_tokens"]),
             max_concurrent_requests=int(data["max_concurrent_requests"]), kv_layout=KVShape(**data["kv_layout"]),
             cost_model=CostModels.from_json(data["cost_model"]), openai_url=str(data.get("openai_url", "")),
+            engine=str(data.get("engine", "builtin")), kv_bootstrap=str(data.get("kv_bootstrap", "")),
         )  # fmt: skip

@@ -64,7 +64,7 @@ def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
     state = InstanceState(
         record.instance_id, record.role, costs.prefill, costs.decode, num_blocks=record.num_blocks,
         max_running=record.max_concurrent_requests, chunk_tokens=record.max_num_batched_tokens,
-        profile=costs.profile,
+        profile=costs.profile, exports_kv=record.exports_kv,
     )  # fmt: skip
     if old is not None:
         state.prefilling, state.decoding = old.prefilling, old.decoding
@@ -74,7 +74,8 @@ def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
 class ClusterView:
     """Instances by role, kept in step with etcd."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: str = "builtin") -> None:
+        self.engine = engine  # [engine] backend: workers of another backend are refused (one backend per cluster)
         self.instances: dict[str, InstanceView] = {}
         self.kvmeta_address = ""
         self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
@@ -108,6 +109,10 @@ class ClusterView:
             return
         record = event.record
         assert isinstance(record, WorkerRecord), "the registry decodes a worker role's value as a WorkerRecord"
+        if record.engine != self.engine:
+            log.error("refusing %s %s: its engine is %r, this cluster's [engine] backend is %r (mixed pools are "
+                      "not supported)", event.role, event.instance_id, record.engine, self.engine)  # fmt: skip
+            return
         same_address = old is not None and old.record.address == record.address
         view = InstanceView(
             record,

@@ -378,12 +378,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         bound = self._stall_bound(plan.prefill.ttft)
         try:
             with blame(d.instance_id):
-                reserved = await d.decode_stub.Reserve(
-                    decode_pb2.ReserveRequest(
-                        request_id=job.worker_request_id, num_prompt_tokens=len(tokens), sampling=sampling
-                    ),
-                    timeout=self.config.scheduler.stall_timeout_s,
+                reserve = decode_pb2.ReserveRequest(
+                    request_id=job.worker_request_id, num_prompt_tokens=len(tokens), sampling=sampling
                 )
+                if not p.record.exports_kv:  # vLLM: d queues the request now and p's connector pushes the KV
+                    reserve.prompt_token_ids.extend(tokens)
+                    reserve.remote_prefill.engine_id = p.instance_id
+                    reserve.remote_prefill.bootstrap_addr = p.record.kv_bootstrap
+                reserved = await d.decode_stub.Reserve(reserve, timeout=self.config.scheduler.stall_timeout_s)
             request = prefill_pb2.PrefillRequest(
                 request_id=job.worker_request_id,
                 prompt_token_ids=tokens,
@@ -447,8 +449,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 )
             )
         job.worker_ttft = r.prefill_seconds + r.transfer_exposed_seconds
-        self.core.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
-        self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
+        if r.kv_bytes_sent:  # 0: the engine's own connector moved the KV (vLLM), untimed here
+            self.core.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
+            self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
         if r.copy_bytes:
             self.core.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
             self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)

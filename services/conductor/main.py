@@ -15,7 +15,7 @@ from services.conductor.cluster_view import ClusterView
 async def run(config: Config, instance_id: str) -> None:
     """Serve Generate at ``[cluster] scheduler_endpoint``."""
     registry = cluster_registry(config)
-    view = ClusterView()
+    view = ClusterView(config.engine.backend)
     view.attach(asyncio.get_running_loop())
     registry.watch(view.on_event)
     servicer = conductor.ConductorServicer(config, view, load_tokenizer(config.model.path))

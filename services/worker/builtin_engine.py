@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 class BuiltinEngine:
     """``LLMEngine`` on its own thread, as an ``EnginePort``."""
 
+    moves_kv_itself = False
+
     def __init__(self, engine: LLMEngine, refiner: CostRefiner | None = None) -> None:
         self._loop = EngineLoop(engine, on_step=refiner.observe if refiner is not None else None)
         pool, model = engine.kv_pool, engine.config

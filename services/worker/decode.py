@@ -24,9 +24,11 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.rpc import RpcError, Service
 from services.common.tasks import complete
+from services.worker.engine_port import RemotePrefill
 from services.worker.worker import Worker, sampling_from_proto, token_chunk
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.released.pop(rid, None) is not None:
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
+        if w.engine.moves_kv_itself:
+            return await self._submit(request, params)
 
         async def reserve() -> tuple[list[int] | None, int]:
             blocks, free = await w.engine.reserve(rid, request.num_prompt_tokens, params)
@@ -75,14 +79,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
 
+    async def _submit(self, request: decode_pb2.ReserveRequest, params: SamplingParams) -> decode_pb2.ReserveResponse:
+        """An engine with its own KV connector: queue the decode request now; it waits there for the KV."""
+        w, rid, remote = self.worker, request.request_id, request.remote_prefill
+        if not remote.engine_id or len(request.prompt_token_ids) != request.num_prompt_tokens:
+            self.reservations.pop(rid, None)
+            raise ValueError("this decode worker's engine needs prompt_token_ids and remote_prefill in Reserve")
+        free = await complete(
+            w.engine.submit_remote_decode(  # type: ignore[attr-defined]
+                rid, list(request.prompt_token_ids), params, RemotePrefill(remote.engine_id, remote.bootstrap_addr)
+            )
+        )
+        if rid not in self.reservations:  # released while we submitted
+            await w.engine.abort(rid)
+        return decode_pb2.ReserveResponse(target=common_pb2.KVBlockTarget(), num_free_blocks=free)
+
     async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:  # noqa: N802
         """Join the batch with token 0 and stream the following tokens."""
         w, rid = self.worker, request.request_id
         if self.reservations.pop(rid, None) is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)")
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
-        num_blocks = w.engine.layout.num_blocks_for(len(prompt))
-        w.transfer.count_received(num_blocks, num_blocks * w.engine.layout.bytes_per_block)
+        if not w.engine.moves_kv_itself:
+            num_blocks = w.engine.layout.num_blocks_for(len(prompt))
+            w.transfer.count_received(num_blocks, num_blocks * w.engine.layout.bytes_per_block)
         span = trace.get_current_span()
         gaps: list[float] = []
         last: float | None = None

@@ -28,7 +28,7 @@ from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 from services.worker.engine_loop import EngineDied
 
-__all__ = ["EngineDied", "EngineLoad", "EnginePort", "ImportedBlocks", "KVLayout", "StepOutput"]
+__all__ = ["EngineDied", "EngineLoad", "EnginePort", "ImportedBlocks", "KVLayout", "RemotePrefill", "StepOutput"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,14 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class RemotePrefill:
+    """The prefill worker whose KV connector sends a decode request's prompt KV (``moves_kv_itself`` engines)."""
+
+    engine_id: str
+    bootstrap_addr: str
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """What the engine reports about itself."""
 
@@ -94,6 +102,9 @@ class EnginePort(Protocol):
     """An engine, as a worker uses it."""
 
     layout: KVLayout
+    # True when the engine moves prompt KV to the decode worker itself (vLLM's KV connector): no reservations,
+    # no block addresses, no KV copies; False when the worker's transfer engine writes into reserved blocks.
+    moves_kv_itself: bool
 
     @property
     def died(self) -> asyncio.Future[BaseException] | None:

@@ -26,7 +26,7 @@ FAULT_INJECTION_ENV = "KVCONDUCTOR_FAULT_INJECTION"  # "1" enables the test-only
 async def run(config: Config, role: str, instance_id: str) -> int:
     """Serve a prefill, decode or colocated engine worker; the exit status (non-zero if its engine died)."""
     registry = cluster_registry(config)
-    worker = build_worker(config, role, instance_id, registry)
+    worker = await build_worker(config, role, instance_id, registry)
     worker.engine.start()
     background = [asyncio.create_task(worker.refine_cost_models())]
     endpoint: WorkerEndpoint | None = None  # colocated workers also speak the OpenAI API themselves

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from engine.block_hash import prefix_block_hashes
+from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import metrics
 from services.common.rpc import Service
@@ -42,6 +43,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""
         w, rid = self.worker, request.request_id
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
+        if w.engine.moves_kv_itself:
+            return await self._prefill_by_connector(request, prompt, params)
         destination = request.destination
         self._check_destination(destination, len(prompt))
         start = time.perf_counter()
@@ -89,6 +92,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             copy_bytes=copy.bytes if copy else 0,
             copy_seconds=copy.seconds if copy else 0.0,
             copy_note=copy.note if copy else "",
+        )
+
+    async def _prefill_by_connector(
+        self, request: prefill_pb2.PrefillRequest, prompt: list[int], params: SamplingParams
+    ) -> prefill_pb2.PrefillResponse:
+        """An engine with its own KV connector: compute the prompt, and the engine pushes its KV.
+
+        The decode request, queued by Reserve on the decode worker, names this worker as its KV's source.
+        """
+        w, rid = self.worker, request.request_id
+        start = time.perf_counter()
+        with tracer.start_as_current_span("prefill.compute") as span:
+            async with contextlib.aclosing(w.engine.generate(rid, prompt, params, prefill_only=True)) as outputs:
+                async for out in outputs:  # noqa: B007 - the last output has token 0
+                    pass
+            span.set_attributes({"kvconductor.prompt_tokens": len(prompt),
+                                 "kvconductor.cached_tokens": out.num_cached_tokens})  # fmt: skip
+        await w.publish_kv_events()
+        return prefill_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0],
+            num_cached_tokens=out.num_cached_tokens,
+            num_computed_tokens=len(prompt) - out.num_cached_tokens,
+            prefill_seconds=time.perf_counter() - start,
         )
 
     async def _settle(self, rid: str, streamer: KVStreamer, finished: bool) -> None:

@@ -52,6 +52,7 @@ class Worker:
     address: str = ""  # set when the server is bound
     metrics_address: str = ""
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint, once it listens
+    kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server
 
     def record(self, address: str, metrics_address: str) -> WorkerRecord:
         """The etcd record describing this instance."""
@@ -66,7 +67,7 @@ class Worker:
             kv_layout=KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                               layout.bytes_per_block),
             cost_model=CostModels(self.prefill_model, self.decode_model, self.refiner.profile_models()),
-            openai_url=self.openai_url,
+            openai_url=self.openai_url, engine=self.config.engine.backend, kv_bootstrap=self.kv_bootstrap,
         )  # fmt: skip
 
     def services(self) -> list[Service]:
@@ -100,20 +101,28 @@ class Worker:
         await self.events.close()
 
 
-def build_worker(config: Config, role: str, instance_id: str, registry: Registry) -> Worker:
+async def build_worker(config: Config, role: str, instance_id: str, registry: Registry) -> Worker:
     """Load the model, allocate and register the KV pool, and fit the cost models."""
     pool_config: WorkerConfig = getattr(config, "decode" if role == "decode" else role)
     torch.set_num_threads(pool_config.torch_threads)
-    engine, refiner = builtin_engine.build(config, role, pool_config)
+    engine: EnginePort
+    kv_bootstrap = ""
+    if config.engine.backend == "vllm":
+        from services.worker import vllm_engine  # imports vLLM: only on workers that run it
+
+        engine, refiner, kv_bootstrap = await vllm_engine.build(config, role, instance_id, pool_config)
+    else:
+        engine, refiner = builtin_engine.build(config, role, pool_config)
     transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
-    transfer.register(engine.layout.base_address, engine.layout.nbytes)
+    if not engine.moves_kv_itself:
+        transfer.register(engine.layout.base_address, engine.layout.nbytes)
     metrics.register_transfer(lambda: _bytes_by_direction(transfer.counts()))
     prefill_model, decode_model = refiner.fit()
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
     return Worker(
         role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
-        decode_model,
+        decode_model, kv_bootstrap=kv_bootstrap,
     )  # fmt: skip
 
 

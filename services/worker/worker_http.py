@@ -30,7 +30,7 @@ class WorkerEndpoint:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.view = ClusterView()
+        self.view = ClusterView(worker.config.engine.backend)
         self.conductor = conductor.ConductorServicer(worker.config, self.view, load_tokenizer(worker.config.model.path))
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None

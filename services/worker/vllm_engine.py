@@ -1,0 +1,511 @@
+"""vLLM behind the EnginePort (``[engine] backend = "vllm"``).
+
+The worker process builds an ``AsyncLLM`` (vLLM spawns its EngineCore and model worker as child
+processes) and stays our gRPC service: registered in etcd, profiled, reporting load, publishing KV events.
+What differs from the built-in engine:
+
+* **Prompt KV moves with vLLM's MooncakeConnector** (``services/worker/vllm_connector.py``): a decode
+  worker's ``Reserve`` submits the decode request at once (``do_remote_prefill``, naming the prefill
+  worker's engine id and bootstrap server) and vLLM parks it until the KV arrives; the prefill worker runs
+  the prompt with ``max_tokens=1`` (``do_remote_decode``) and its connector pushes the blocks over the
+  Mooncake Transfer Engine. The decode request samples token 0 again (same logits, same seed: the same
+  token) and ``decode`` drops it. No KV copies between prefill workers, no reservations: vLLM's pool lives
+  in its EngineCore (``exports_kv`` is False in the record, so Algorithm 1 never plans a copy).
+* **KV events** come from vLLM's cache over ZMQ (``BlockStored`` / ``BlockRemoved`` /
+  ``AllBlocksCleared``) and are translated to this repository's chained block hashes (``engine.block_hash``)
+  from their token ids, so kvmeta and Algorithm 1's ``prefix_len`` see vLLM's real cache.
+* **Load and step timings** come from a vLLM stat logger: queue, batch and KV usage per step, and each
+  step's scheduled tokens and elapsed time, which feed the same ``CostRefiner`` as the built-in engine.
+* **Liveness** is ``AsyncLLM.check_health`` polled once a second; a dead EngineCore resolves ``died``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from engine.block_hash import hash_block
+from engine.outputs import StepOutput
+from engine.sampling import SamplingParams
+from services.common.config import Config, WorkerConfig
+from services.common.metrics import register_engine
+from services.worker.cost_refiner import CostRefiner
+from services.worker.engine_loop import EngineDied
+from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
+
+log = logging.getLogger(__name__)
+HEALTH_PERIOD_S = 1.0
+CONNECTOR = "CpuMooncakeConnector"
+CONNECTOR_MODULE = "services.worker.vllm_connector"
+
+
+class VllmEngine:
+    """``AsyncLLM`` as an ``EnginePort``."""
+
+    moves_kv_itself = True  # vLLM's KV connector moves prompt KV; the worker's transfer engine does not
+
+    def __init__(self, llm: Any, layout: KVLayout, role: str, refiner: CostRefiner | None = None) -> None:
+        self.llm = llm
+        self.layout = layout
+        self.role = role
+        self.refiner = refiner
+        self.events = KVEventTranslator(layout.block_size)
+        self.stats = StepStats(layout.num_blocks)
+        self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
+        self._remote: dict[str, tuple[asyncio.Queue[StepOutput | BaseException], asyncio.Task[None]]] = {}
+        self._died: asyncio.Future[BaseException] | None = None
+        self._beats = 0
+        self._last_beat = time.monotonic()
+        self._health: asyncio.Task[None] | None = None
+        self.token0_mismatches = 0
+
+    @property
+    def died(self) -> asyncio.Future[BaseException] | None:
+        """Resolves when the EngineCore is gone."""
+        return self._died
+
+    def start(self) -> None:
+        """Start polling the engine's health."""
+        self._died = asyncio.get_running_loop().create_future()
+        self._health = asyncio.create_task(self._watch_health())
+
+    async def _watch_health(self) -> None:
+        assert self._died is not None
+        while True:
+            try:
+                await asyncio.wait_for(self.llm.check_health(), HEALTH_PERIOD_S * 10)
+            except TimeoutError:
+                pass  # a busy engine: the heartbeat ages, health follows engine_heartbeat_timeout_s
+            except Exception as e:  # noqa: BLE001 - EngineDeadError and whatever else a dead core raises
+                log.error("vLLM engine died: %s", e)
+                if not self._died.done():
+                    self._died.set_result(e)
+                return
+            else:
+                self._beats += 1
+                self._last_beat = time.monotonic()
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def close(self) -> None:
+        """Stop vLLM and its processes."""
+        if self._health is not None:
+            self._health.cancel()
+        self.events.close()
+        await asyncio.to_thread(self.llm.shutdown)
+
+    def heartbeat(self) -> tuple[int, float]:
+        """(health checks passed, seconds since the last)."""
+        return self._beats, time.monotonic() - self._last_beat
+
+    def _check_alive(self) -> None:
+        if self._died is not None and self._died.done():
+            raise EngineDied(self._died.result())
+
+    def _sampling(
+        self, params: SamplingParams, transfer: dict[str, Any] | None = None, *, prefill: bool = False
+    ) -> Any:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmSampling(
+            n=1, max_tokens=1 if prefill else params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed,
+            stop_token_ids=[] if prefill else list(params.stop_token_ids),
+            # The prefill of a disaggregated request must end "length capped" for its connector to send the KV.
+            ignore_eos=True if prefill else params.ignore_eos, logprobs=0 if params.logprobs else None,
+            detokenize=False, output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
+        )  # fmt: skip
+
+    async def _stream(self, request_id: str, prompt: list[int], sampling: Any) -> AsyncIterator[StepOutput]:
+        from vllm.inputs import TokensPrompt
+
+        self._check_alive()
+        finished = False
+        self.contexts[request_id] = len(prompt)
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sampling, request_id):
+                completion = out.outputs[0]
+                tokens = list(completion.token_ids)
+                self.contexts[request_id] = self.contexts.get(request_id, len(prompt)) + len(tokens)
+                finished = out.finished
+                logprobs = [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
+                yield StepOutput(
+                    request_id, tokens, finished, _finish_reason(completion.finish_reason) if finished else None,
+                    out.num_cached_tokens or 0, logprobs=logprobs[-len(tokens):] if tokens else [],
+                )  # fmt: skip
+                if finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self.llm.errored:
+                raise EngineDied(e) from e
+            raise
+        finally:
+            self.contexts.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        imported: ImportedBlocks | None = None,
+    ) -> AsyncGenerator[StepOutput, None]:
+        """Run a request; ``prefill_only``: the prefill of a disaggregated request (its KV goes to decode)."""
+        if imported is not None:
+            raise ValueError("vLLM workers take no KV copies")
+        transfer = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": request_id}
+        sampling = self._sampling(params, transfer if prefill_only else None, prefill=prefill_only)
+        async for out in self._stream(request_id, prompt, sampling):
+            if prefill_only:  # whether token 0 ends the request is the decode worker's call
+                out = dataclasses.replace(out, finish_reason=None)
+            yield out
+
+    async def submit_remote_decode(
+        self, request_id: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill
+    ) -> int:
+        """Queue a decode request whose prompt KV the prefill worker's connector will push; the free blocks."""
+        self._check_alive()
+        if request_id in self._remote:
+            raise ValueError(f"request {request_id!r} is already waiting for its KV")
+        transfer = {
+            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": remote.engine_id,
+            "remote_bootstrap_addr": remote.bootstrap_addr, "transfer_id": request_id,
+        }  # fmt: skip
+        outputs: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self._stream(request_id, prompt, self._sampling(params, transfer)):
+                    outputs.put_nowait(out)
+            except Exception as e:  # noqa: BLE001 - handed to the Decode call
+                outputs.put_nowait(e)
+
+        self._remote[request_id] = (outputs, asyncio.create_task(pump()))
+        return self.stats.num_free_blocks
+
+    async def decode(
+        self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams
+    ) -> AsyncGenerator[StepOutput, None]:
+        """The outputs of a submitted remote decode after token 0 (which the prefill worker sampled)."""
+        entry = self._remote.get(request_id)
+        if entry is None:
+            raise ValueError(f"no decode request {request_id!r} waiting for its KV")
+        outputs, _ = entry
+        first, finished = True, False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                if first and out.new_token_ids:
+                    first = False
+                    if out.new_token_ids[0] != first_token_id:
+                        self.token0_mismatches += 1
+                        log.warning("request %s: decode sampled token 0 = %d, prefill %d", request_id,
+                                    out.new_token_ids[0], first_token_id)  # fmt: skip
+                    out = dataclasses.replace(out, new_token_ids=out.new_token_ids[1:], logprobs=out.logprobs[1:])
+                yield out
+        finally:
+            if not finished:
+                await self.abort(request_id)
+            self._remote.pop(request_id, None)
+
+    async def release(self, request_id: str) -> None:
+        """Nothing to do: a finished prefill's blocks belong to vLLM's connector until the decode pulls them."""
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a request (a waiting remote decode included); completes even if the caller is cancelled."""
+        entry = self._remote.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.llm.abort(request_id))
+
+    async def reserve(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+    ) -> tuple[list[int] | None, int]:
+        """Not for vLLM, which allocates as it goes: decode workers use ``submit_remote_decode``."""
+        raise NotImplementedError("vLLM decode workers take the whole request in submit_remote_decode")
+
+    async def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
+        """No KV exports from vLLM's pool."""
+        return []
+
+    async def unpin_blocks(self, block_ids: Sequence[int]) -> None:
+        """Nothing is pinned."""
+
+    async def allocate_blocks(self, num_blocks: int) -> list[int] | None:
+        """No KV imports into vLLM's pool."""
+        return None
+
+    async def abandon_import(self, imported: ImportedBlocks) -> None:
+        """Nothing was imported."""
+
+    async def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Stored and removed block hashes (ours) since the last call."""
+        return self.events.pop()
+
+    async def load(self) -> EngineLoad:
+        """The engine's load after its last step."""
+        self._check_alive()
+        return self.snapshot()
+
+    def snapshot(self) -> EngineLoad:
+        """The load, from any thread."""
+        s = self.stats
+        return EngineLoad(s.num_waiting, s.num_running, s.num_free_blocks, self.layout.num_blocks,
+                          s.prefix_queries, s.prefix_hits)  # fmt: skip
+
+    def inject_fault(self, kind: str) -> None:
+        """Test-only: "raise" kills the EngineCore (SIGKILL); "freeze"/"thaw" stop and continue it."""
+        import signal
+
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            os.kill(child.pid, {"raise": signal.SIGKILL, "freeze": signal.SIGSTOP, "thaw": signal.SIGCONT}[kind])
+
+    def observe_step(self, scheduler_stats: Any) -> None:
+        """A vLLM step's stats (called by the stat logger on the event loop)."""
+        self.stats.update(scheduler_stats)
+        details = getattr(scheduler_stats, "iteration_details", None)
+        if self.refiner is None or details is None or details.elapsed_ms <= 0:
+            return
+        seconds = details.elapsed_ms / 1e3
+        if details.num_generation_requests == 0 and details.num_ctx_requests == 1:
+            self.refiner.observe([(details.num_ctx_tokens, 0)], seconds)
+        elif details.num_ctx_requests == 0 and details.num_generation_requests > 0 and self.contexts:
+            mean = sum(self.contexts.values()) // len(self.contexts)
+            self.refiner.observe([(1, mean)] * details.num_generation_requests, seconds)
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return {"stop": "stop", "length": "length"}.get(reason or "", "abort" if reason else None)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """The engine's state after its last step, as vLLM's scheduler reported it."""
+
+    num_total_blocks: int
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not in use (cached, evictable ones included)."""
+        return int(self.num_total_blocks * (1.0 - self.kv_cache_usage))
+
+    def update(self, s: Any) -> None:
+        """Apply one ``SchedulerStats``."""
+        self.num_waiting, self.num_running, self.kv_cache_usage = (
+            s.num_waiting_reqs,
+            s.num_running_reqs,
+            s.kv_cache_usage,
+        )
+        self.prefix_queries += s.prefix_cache_stats.queries
+        self.prefix_hits += s.prefix_cache_stats.hits
+
+
+class KVEventTranslator:
+    """vLLM's KV cache events (ZMQ) as this repository's chained block hashes.
+
+    vLLM's block hashes depend on its hash algorithm, seed and version; ours depend only on the tokens. A
+    ``BlockStored`` names its parent (vLLM's hash) and carries its token ids, so each vLLM hash maps to
+    ``hash_block(ours(parent), tokens)``. A block whose parent is unknown (events missed) is skipped.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.endpoint = ""
+        self._ours: dict[Any, bytes] = {}
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def subscribe(self, endpoint: str, topic: str = "") -> None:
+        """Receive from vLLM's publisher at ``endpoint`` on a thread."""
+        import zmq
+
+        self.endpoint = endpoint
+        sub: Any = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        sub.connect(endpoint)
+        self._thread = threading.Thread(target=self._receive, args=(sub,), name="vllm-kv-events", daemon=True)
+        self._thread.start()
+
+    def _receive(self, sub: Any) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            try:
+                frames = sub.recv_multipart()
+            except zmq.Again:
+                continue
+            try:
+                self.apply(decoder.decode(frames[-1]).events)
+            except (msgspec.DecodeError, ValueError) as e:
+                log.warning("skipping a malformed vLLM KV event batch: %s", e)
+        sub.close(linger=0)
+
+    def apply(self, events: Sequence[Any]) -> None:
+        """Translate a batch of vLLM events."""
+        with self._lock:
+            for event in events:
+                kind = type(event).__name__
+                if kind == "BlockStored":
+                    self._stored_block(event)
+                elif kind == "BlockRemoved":
+                    self._removed.extend(h for h in (self._ours.pop(v, None) for v in event.block_hashes) if h)
+                elif kind == "AllBlocksCleared":
+                    self._removed.extend(self._ours.values())
+                    self._ours.clear()
+
+    def _stored_block(self, event: Any) -> None:
+        parent: bytes | None = None
+        if event.parent_block_hash is not None:
+            parent = self._ours.get(event.parent_block_hash)
+            if parent is None:
+                return
+        size = event.block_size
+        for i, theirs in enumerate(event.block_hashes):
+            tokens = event.token_ids[i * size : (i + 1) * size]
+            if len(tokens) < size:
+                return
+            parent = hash_block(parent, tokens)
+            self._ours[theirs] = parent
+            self._stored.append(parent)
+
+    def pop(self) -> tuple[list[bytes], list[bytes]]:
+        """Stored and removed hashes since the last call."""
+        with self._lock:
+            stored, removed = self._stored, self._removed
+            self._stored, self._removed = [], []
+        return stored, removed
+
+    def close(self) -> None:
+        """Stop receiving."""
+        self._stop.set()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+async def build(
+    config: Config, role: str, instance_id: str, pool_config: WorkerConfig
+) -> tuple[VllmEngine, CostRefiner, str]:
+    """Start vLLM for one worker process and profile it: (engine, refiner, KV bootstrap address or "")."""
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from services.worker.vllm_profile import profile_vllm
+
+    host = config.cluster.host
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["VLLM_HOST_IP"] = host
+    # vLLM waits this long for KV that never comes (480 s by default); the Conductor's own bounds sit on top.
+    os.environ["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(max(1, int(config.cluster.kv_transfer_timeout_s)))
+    bootstrap = ""
+    transfer = None
+    if role in ("prefill", "decode"):
+        if role == "prefill":
+            port = _free_port(host)
+            os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(port)
+            bootstrap = f"http://{host}:{port}"
+        transfer = KVTransferConfig(
+            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer" if role == "prefill" else "kv_consumer", engine_id=instance_id,
+            kv_connector_extra_config={"mooncake_protocol": config.cluster.transfer_backend},
+            kv_load_failure_policy="fail",
+        )  # fmt: skip
+    events_endpoint = f"ipc://{_run_dir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
+    caching = pool_config.enable_prefix_caching and role != "decode"
+    args = AsyncEngineArgs(
+        model=config.model.path, served_model_name=config.model.name, dtype=config.model.dtype,  # type: ignore[arg-type]
+        enforce_eager=True, block_size=config.block_size, enable_prefix_caching=caching,
+        max_num_batched_tokens=pool_config.max_num_batched_tokens, max_num_seqs=pool_config.max_concurrent_requests,
+        kv_cache_memory_bytes=pool_config.kv_cache_bytes, seed=0, disable_log_stats=False,
+        enable_logging_iteration_details=True, kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=caching, publisher="zmq", endpoint=events_endpoint)
+        if caching else None,
+    )  # fmt: skip
+    log.info("starting vLLM for %s (%s, %d MiB KV cache)", config.model.path, config.model.dtype,
+             pool_config.kv_cache_memory_mb)  # fmt: skip
+    holder: dict[str, VllmEngine] = {}
+    llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(holder)])
+    cache, model = llm.vllm_config.cache_config, llm.vllm_config.model_config
+    hf = model.hf_config
+    num_kv_heads = model.get_num_kv_heads(llm.vllm_config.parallel_config)
+    head_dim = model.get_head_size()
+    num_layers = model.get_num_layers(llm.vllm_config.parallel_config)
+    itemsize = 4 if config.model.dtype == "float32" else 2
+    layout = KVLayout(
+        block_size=cache.block_size, num_blocks=cache.num_gpu_blocks or 0,
+        bytes_per_block=2 * num_layers * num_kv_heads * head_dim * itemsize * cache.block_size, base_address=0,
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=config.model.dtype,
+        max_model_len=model.max_model_len, vocab_size=hf.vocab_size,
+    )  # fmt: skip
+    engine = VllmEngine(llm, layout, role)
+    holder["engine"] = engine
+    if caching:
+        engine.events.subscribe(events_endpoint)
+    refiner = await profile_vllm(engine)
+    engine.refiner = refiner
+    register_engine(engine.snapshot)
+    return engine, refiner, bootstrap
+
+
+def _run_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def _stat_logger_factory(holder: dict[str, VllmEngine]) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class StepLogger(StatLoggerBase):
+        """Hands each step's scheduler stats to the engine adapter."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:  # fmt: skip
+            engine = holder.get("engine")
+            if engine is not None and scheduler_stats is not None:
+                engine.observe_step(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return StepLogger

@@ -356,21 +356,25 @@ class KVEventTranslator:
         self._thread.start()
 
     def _receive(self, sub: Any) -> None:
-        import msgspec
         import zmq
-        from vllm.distributed.kv_events import KVEventBatch
 
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         while not self._stop.is_set():
             try:
-                frames = sub.recv_multipart()
+                frames = sub.recv_multipart()  # [topic, sequence number, msgpack KVEventBatch]
             except zmq.Again:
                 continue
-            try:
-                self.apply(decoder.decode(frames[-1]).events)
-            except (msgspec.DecodeError, ValueError) as e:
-                log.warning("skipping a malformed vLLM KV event batch: %s", e)
+            self.apply_payload(frames[-1])
         sub.close(linger=0)
+
+    def apply_payload(self, payload: bytes) -> None:
+        """Translate one msgpack ``KVEventBatch`` as vLLM's ZMQ publisher sends it (a malformed one is skipped)."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        try:
+            self.apply(msgspec.msgpack.decode(payload, type=KVEventBatch).events)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("skipping a malformed vLLM KV event batch: %s", e)
 
     def apply(self, events: Sequence[Any]) -> None:
         """Translate a batch of vLLM events."""

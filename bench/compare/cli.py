@@ -4,6 +4,7 @@
     kvconductor bench compare --requests 40 --concurrency 1 2 8 --out /tmp/compare
     kvconductor bench compare --sweep                # tuning order on the disaggregated cluster
     kvconductor bench compare --routers --requests 30 --num-prefixes 3   # Conductor vs. sglang/vllm routers
+    kvconductor bench compare --engine vllm --routers   # the same on vLLM workers
 
 Both clusters run the same number of worker processes with the same torch threads (colocated: two
 colocated workers; disaggregated: one prefill and one decode worker) and get the identical workload:
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="config override for both clusters (repeatable)",
     )
     p.add_argument("--model", default="tiny-llama", help="served model name (default tiny-llama)")
+    p.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="worker engine of every cluster ([engine] backend; vllm also sets 32-token KV blocks)",
+    )
     p.add_argument(
         "--concurrency",
         type=int,
@@ -118,6 +125,9 @@ def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]
 def main(args: argparse.Namespace) -> int:
     """Run ``bench compare``; 0 on success, 1 on a clear error."""
     args.command_line = "kvconductor " + shlex.join(sys.argv[1:])
+    if args.engine == "vllm":  # before the user's overrides, which may change the block size again
+        pools = ("prefill", "decode", "colocated")
+        args.set = ['engine.backend="vllm"', *(f"{pool}.prefix_cache_block_size=32" for pool in pools), *args.set]
     out = Path(args.out or fresh_out("compare"))
     out.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -58,7 +58,7 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
         running = str(load.num_running)
     except grpc.RpcError as e:
         health, blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-", "-"
-    model = _record(instance).costs
+    model = _record(instance).cost_model
     costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model.prefill.to_dict())
     costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model.decode.to_dict())
     return (instance.role, instance.instance_id, health, instance.address, blocks, running, hit_rate,

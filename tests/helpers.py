@@ -74,7 +74,7 @@ def bytes_per_block(cluster):
         status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
     record = InstanceRecord.from_json(json.loads(next(i.record_json for i in status.instances if i.role == "decode")))
     assert isinstance(record, WorkerRecord)
-    return record.kv.bytes_per_block
+    return record.kv_layout.bytes_per_block
 
 
 def kvmeta_matches(cluster, block_hashes):

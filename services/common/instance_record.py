@@ -87,10 +87,12 @@ class InstanceRecord:
             raise RecordError(f"malformed instance record: {e}") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerRecord(InstanceRecord):
     """An engine worker (prefill, decode or colocated)."""
 
+    kv_layout: KVShape
+    cost_model: CostModels
     model: str = ""
     transfer_endpoint: str = ""  # the Mooncake transfer engine's host:port
     block_size: int = 0
@@ -99,8 +101,6 @@ class WorkerRecord(InstanceRecord):
     vocab_size: int = 0
     max_num_batched_tokens: int = 0
     max_concurrent_requests: int = 0
-    kv_layout: KVShape | None = None
-    cost_model: CostModels | None = None
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint ("" for others)
     engine: str = "builtin"  # [engine] backend: "builtin" or "vllm"
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server (http://host:port)
@@ -110,22 +110,10 @@ class WorkerRecord(InstanceRecord):
         """Whether peers can read its cached blocks (KV copies); vLLM's pool lives inside its EngineCore."""
         return self.engine == "builtin"
 
-    @property
-    def kv(self) -> KVShape:
-        """The KV layout (a worker always has one)."""
-        assert self.kv_layout is not None, f"{self.instance_id}: worker record without kv_layout"
-        return self.kv_layout
-
-    @property
-    def costs(self) -> CostModels:
-        """The cost models (a worker always has them)."""
-        assert self.cost_model is not None, f"{self.instance_id}: worker record without cost_model"
-        return self.cost_model
-
     def to_json(self) -> dict[str, Any]:
         """The JSON object stored in etcd."""
         data = asdict(self)
-        data["cost_model"] = self.costs.to_json()
+        data["cost_model"] = self.cost_model.to_json()
         return data
 
     @classmethod

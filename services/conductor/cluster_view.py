@@ -60,7 +60,7 @@ class InstanceView:
 
 def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
     """The core's state from a record; bookings carry over from the instance's previous record."""
-    costs = record.costs
+    costs = record.cost_model
     state = InstanceState(
         record.instance_id, record.role, costs.prefill, costs.decode, num_blocks=record.num_blocks,
         max_running=record.max_concurrent_requests, chunk_tokens=record.max_num_batched_tokens,

@@ -256,7 +256,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             num_prompt_tokens=len(job.tokens),
             num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, block_size),
             block_size=block_size,
-            bytes_per_block=record.kv.bytes_per_block,
+            bytes_per_block=record.kv_layout.bytes_per_block,
         )
 
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:

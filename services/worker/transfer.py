@@ -79,6 +79,10 @@ class TransferCounts:
     bytes_received: int = 0
     blocks_received: int = 0
 
+    def by_direction(self) -> dict[str, int]:
+        """Bytes by the ``direction`` label of ``kvconductor_kv_transfer_bytes_total``."""
+        return {"sent": self.bytes_written, "copied_in": self.bytes_read, "received": self.bytes_received}
+
 
 class KVTransferEngine:
     """One Mooncake Transfer Engine per process, with its byte and block counts."""

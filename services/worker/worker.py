@@ -28,7 +28,7 @@ from services.worker import builtin_engine
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_port import EnginePort
 from services.worker.kv_events import KvEventPublisher
-from services.worker.transfer import KVTransferEngine, TransferCounts
+from services.worker.transfer import KVTransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
     if not engine.moves_kv_itself:
         transfer.register(engine.layout.base_address, engine.layout.nbytes)
-    metrics.register_transfer(lambda: _bytes_by_direction(transfer.counts()))
+    metrics.register_transfer(lambda: transfer.counts().by_direction())
     prefill_model, decode_model = refiner.fit()
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
@@ -124,10 +124,6 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
         role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
         decode_model, kv_bootstrap=kv_bootstrap,
     )  # fmt: skip
-
-
-def _bytes_by_direction(c: TransferCounts) -> dict[str, int]:
-    return {"sent": c.bytes_written, "copied_in": c.bytes_read, "received": c.bytes_received}
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

@@ -40,20 +40,20 @@ def colocated(tmp_path_factory, model_dir):
         stop_cluster(c.process)
 
 
-def _send(base_url: str, requests):
-    results, _ = asyncio.run(run(Target(base_url, "tiny-llama"), requests, 1, None, 0, True))
-    return results
+def _through_router(cluster, policy: str, requests, log_dir: Path):
+    """Send ``requests`` through the router with ``policy`` in front of the workers: results and per-worker deltas."""
+    workers = colocated_workers(cluster.manifest)
+    contender = Contender(f"{ROUTER}:{policy}", ROUTER, policy)
+    with running_router(contender, [w.openai_url for w in workers], log_dir / "router.log") as base_url:
+        before = scrape_all(workers)
+        results, _ = asyncio.run(run(Target(base_url, "tiny-llama"), requests, 1, None, 0, True))
+        return results, worker_deltas(before, scrape_all(workers))
 
 
 def test_router_round_robin_reaches_both_colocated_workers(colocated, tmp_path: Path):
-    workers = colocated_workers(colocated.manifest)
-    assert len(workers) == 2
+    assert len(colocated_workers(colocated.manifest)) == 2
     requests = shared_prefix(4, 1, 32, 8, 4, seed=1)  # four different prompts
-    contender = Contender(f"{ROUTER}:round_robin", ROUTER, "round_robin")
-    with running_router(contender, [w.openai_url for w in workers], tmp_path / "router.log") as base_url:
-        before = scrape_all(workers)
-        results = _send(base_url, requests)
-        deltas = worker_deltas(before, scrape_all(workers))
+    results, deltas = _through_router(colocated, "round_robin", requests, tmp_path)
     assert [r.error for r in results] == [None] * 4
     assert all(r.output_tokens == 4 and r.prompt_tokens and r.prompt_tokens > 40 for r in results)
     # Our workers answered: each one's own OpenAI endpoint served two of the four requests.
@@ -62,13 +62,8 @@ def test_router_round_robin_reaches_both_colocated_workers(colocated, tmp_path: 
 
 
 def test_router_cache_aware_keeps_a_prefix_on_one_worker(colocated, tmp_path: Path):
-    workers = colocated_workers(colocated.manifest)
     requests = shared_prefix(1, 3, 256, 8, 2, seed=2)  # one 256-token prefix, three suffixes
-    contender = Contender(f"{ROUTER}:cache_aware", ROUTER, "cache_aware")
-    with running_router(contender, [w.openai_url for w in workers], tmp_path / "router.log") as base_url:
-        before = scrape_all(workers)
-        results = _send(base_url, requests)
-        deltas = worker_deltas(before, scrape_all(workers))
+    results, deltas = _through_router(colocated, "cache_aware", requests, tmp_path)
     assert [r.error for r in results] == [None] * 3
     assert sorted(d["http_requests"] for d in deltas.values()) == [0.0, 3.0]
     # The workers' usage.cached_tokens comes back through the router: the repeats hit the prefix cache.

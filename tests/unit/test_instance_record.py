@@ -14,6 +14,7 @@ WORKER = WorkerRecord(
     kv_layout=KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", bytes_per_block=8192),
     cost_model=CostModels(PrefillModel(1e-3, 2e-5, 3e-9), DecodeModel(4e-3, 5e-5, 6e-8),
                           (PrefillModel(1e-3, 1e-5, 0.0), DecodeModel(4e-3, 0.0, 0.0))),
+    engine="vllm", kv_bootstrap="http://127.0.0.1:5003",
 )  # fmt: skip
 
 
@@ -22,6 +23,7 @@ def test_worker_record_round_trips_through_json():
     assert data["cost_model"]["profile"]["prefill"] == {"c0": 1e-3, "c1": 1e-5, "c2": 0.0}
     assert data["kv_layout"]["bytes_per_block"] == 8192
     assert InstanceRecord.from_json(data) == WORKER
+    assert not WORKER.exports_kv  # a vLLM worker's pool is not readable by peers: no KV copies from it
 
 
 def test_other_roles_are_plain_records():

@@ -464,6 +464,8 @@ async def build(
     )  # fmt: skip
     log.info("starting vLLM for %s (%s, %d MiB KV cache)", config.model.path, config.model.dtype,
              pool_config.kv_cache_memory_mb)  # fmt: skip
+    # vLLM's own stat logger would log every step (we ask for per-step details); ours reads them instead.
+    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
     holder: dict[str, VllmEngine] = {}
     llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(holder)])
     cache, model = llm.vllm_config.cache_config, llm.vllm_config.model_config

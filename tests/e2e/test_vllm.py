@@ -19,6 +19,7 @@ from helpers import grpc_generate, launch_cluster, stop_cluster
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 
+pytestmark = pytest.mark.vllm
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
 COLOCATED = conductor_pb2.DEPLOYMENT_COLOCATED
 BLOCK = 32

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from vllm.distributed import kv_events
 
 from engine.block_hash import prefix_block_hashes
 from services.worker.vllm_engine import KVEventTranslator
 
+pytestmark = pytest.mark.vllm
 BS = 32
 
 

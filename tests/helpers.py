@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +53,28 @@ def grpc_generate(cluster, prompt_ids, deployment, max_tokens=MAX_TOKENS, reques
             decision = decision or (message.decision if message.HasField("decision") else None)
             usage = message.usage if message.HasField("usage") else usage
     return tokens, decision, usage
+
+
+def kill_decode_worker_mid_stream(cluster, prompt_ids, max_tokens, after_tokens, timeout=120):
+    """Stream one greedy PD request and kill -9 its decode worker after ``after_tokens`` tokens.
+
+    Returns every streamed token and the killed instance (None if the stream never named one).
+    """
+    request = conductor_pb2.GenerateRequest(
+        token_ids=conductor_pb2.TokenIds(ids=prompt_ids), include_decision=True,
+        deployment=conductor_pb2.DEPLOYMENT_DISAGGREGATED,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )  # fmt: skip
+    tokens, victim = [], None
+    with grpc.insecure_channel(cluster.conductor) as channel:
+        for message in conductor_pb2_grpc.ConductorStub(channel).Generate(request, timeout=timeout):
+            tokens += message.token_ids
+            if message.HasField("decision"):
+                victim = message.decision.decode_instance
+            if victim and len(tokens) >= after_tokens and victim in cluster.manifest["processes"]:
+                os.kill(cluster.pid(victim), signal.SIGKILL)
+                cluster.manifest["processes"].pop(victim)
+    return tokens, victim
 
 
 def worker_loads(cluster):

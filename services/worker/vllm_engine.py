@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -65,7 +66,6 @@ class VllmEngine:
         self._beats = 0
         self._last_beat = time.monotonic()
         self._health: asyncio.Task[None] | None = None
-        self.token0_mismatches = 0
 
     @property
     def died(self) -> asyncio.Future[BaseException] | None:
@@ -215,7 +215,6 @@ class VllmEngine:
                 if first and out.new_token_ids:
                     first = False
                     if out.new_token_ids[0] != first_token_id:
-                        self.token0_mismatches += 1
                         log.warning("request %s: decode sampled token 0 = %d, prefill %d", request_id,
                                     out.new_token_ids[0], first_token_id)  # fmt: skip
                     out = dataclasses.replace(out, new_token_ids=out.new_token_ids[1:], logprobs=out.logprobs[1:])
@@ -451,7 +450,7 @@ async def build(
             kv_connector_extra_config={"mooncake_protocol": config.cluster.transfer_backend},
             kv_load_failure_policy="fail",
         )  # fmt: skip
-    events_endpoint = f"ipc://{_run_dir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
+    events_endpoint = f"ipc://{tempfile.gettempdir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
     caching = pool_config.enable_prefix_caching and role != "decode"
     args = AsyncEngineArgs(
         model=config.model.path, served_model_name=config.model.name, dtype=config.model.dtype,  # type: ignore[arg-type]
@@ -488,12 +487,6 @@ async def build(
     engine.refiner = refiner
     register_engine(engine.snapshot)
     return engine, refiner, bootstrap
-
-
-def _run_dir() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
 
 
 def _stat_logger_factory(holder: dict[str, VllmEngine]) -> Any:

@@ -12,10 +12,10 @@ import signal
 import threading
 import time
 
-import grpc
 import pytest
 from helpers import (
     grpc_generate,
+    kill_decode_worker_mid_stream,
     kvmeta_matches,
     launch_cluster,
     reference_tokens,
@@ -27,7 +27,7 @@ from helpers import (
 
 from cli.etcd_server import EmbeddedEtcd
 from engine.block_hash import prefix_block_hashes
-from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from kvconductor.v1 import conductor_pb2
 from services.common.registry import Registry
 
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
@@ -68,19 +68,7 @@ def test_idle_workers_send_a_shared_prefix_to_its_holder(faults):
 def test_kill_9_decode_worker_mid_stream_resumes_with_identical_output(faults, model_dir):
     prompt = _prompts(11, 1, 100, 101)[0]
     expected = reference_tokens(model_dir, [prompt], max_tokens=160)[0]
-    request = conductor_pb2.GenerateRequest(
-        token_ids=conductor_pb2.TokenIds(ids=prompt), include_decision=True, deployment=PD,
-        sampling=common_pb2.SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True),
-    )  # fmt: skip
-    tokens, victim = [], None
-    with grpc.insecure_channel(faults.conductor) as channel:
-        for message in conductor_pb2_grpc.ConductorStub(channel).Generate(request, timeout=120):
-            tokens += message.token_ids
-            if message.HasField("decision"):
-                victim = message.decision.decode_instance
-            if victim and len(tokens) >= 20 and victim in faults.manifest["processes"]:
-                os.kill(faults.pid(victim), signal.SIGKILL)
-                faults.manifest["processes"].pop(victim)
+    tokens, victim = kill_decode_worker_mid_stream(faults, prompt, 160, after_tokens=20)
     assert victim is not None and victim not in faults.manifest["processes"], "the decode worker was not killed"
     assert tokens == expected  # no gap, no repeat, same greedy tokens as without the fault
 

@@ -8,16 +8,13 @@ decode worker.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 
-import grpc
 import pytest
-from helpers import grpc_generate, launch_cluster, stop_cluster
+from helpers import grpc_generate, kill_decode_worker_mid_stream, launch_cluster, stop_cluster
 
-from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from kvconductor.v1 import conductor_pb2
 
 pytestmark = pytest.mark.vllm
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
@@ -70,18 +67,6 @@ def test_a_repeated_prefix_is_found_in_vllms_cache(vllm_cluster):
 def test_kill_9_of_a_vllm_decode_worker_mid_stream_resumes_with_identical_output(vllm_cluster):
     prompt = _prompts(3, 1, 100, 101)[0]
     expected, _, _ = grpc_generate(vllm_cluster, prompt, COLOCATED, max_tokens=120)
-    request = conductor_pb2.GenerateRequest(
-        token_ids=conductor_pb2.TokenIds(ids=prompt), include_decision=True, deployment=PD,
-        sampling=common_pb2.SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True),
-    )  # fmt: skip
-    tokens, victim = [], None
-    with grpc.insecure_channel(vllm_cluster.conductor) as channel:
-        for message in conductor_pb2_grpc.ConductorStub(channel).Generate(request, timeout=180):
-            tokens += message.token_ids
-            if message.HasField("decision"):
-                victim = message.decision.decode_instance
-            if victim and len(tokens) >= 10 and victim in vllm_cluster.manifest["processes"]:
-                os.kill(vllm_cluster.pid(victim), signal.SIGKILL)
-                vllm_cluster.manifest["processes"].pop(victim)
+    tokens, victim = kill_decode_worker_mid_stream(vllm_cluster, prompt, 120, after_tokens=10, timeout=180)
     assert victim is not None and victim not in vllm_cluster.manifest["processes"], "the decode worker was not killed"
     assert tokens == expected

@@ -165,18 +165,24 @@ class Cluster:
         ) as registry:
             start = time.monotonic()
             said = start
+            registered: set[tuple[str, str]] = set()
+            etcd_error: ConnectionError | None = None
             while time.monotonic() < start + READY_TIMEOUT_S:
                 self._check_alive()
-                registered = set(registry.list())
+                try:  # a read that times out while workers load on every core is not a failed start
+                    registered, etcd_error = set(registry.list()), None
+                except ConnectionError as e:
+                    etcd_error = e
                 if expected <= registered and self._gateway_healthy():
                     return
                 if time.monotonic() - said >= PROGRESS_EVERY_S:
                     said = time.monotonic()
                     waiting = ", ".join(sorted(i for _, i in expected - registered)) or "the gateway"
+                    slow = f"; etcd did not answer the last read: {etcd_error}" if etcd_error else ""
                     print(f"  {said - start:.0f} s: waiting for {waiting} (loading and profiling; logs in "
-                          f"{self.run_dir})", flush=True)  # fmt: skip
+                          f"{self.run_dir}){slow}", flush=True)  # fmt: skip
                 time.sleep(0.25)
-            missing = sorted(i for r, i in expected - set(registry.list()))
+            missing = sorted(i for _, i in expected - registered)
         raise RuntimeError(f"cluster not ready after {READY_TIMEOUT_S:.0f} s; not registered: {missing}")
 
     def _gateway_healthy(self) -> bool:

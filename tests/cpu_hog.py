@@ -3,7 +3,9 @@
     python tests/cpu_hog.py [--seconds S] [--cores N] -- COMMAND ...
 
 Each hog is a separate process that burns CPU until the command ends, or for at most ``--seconds``
-(a hog never outlives a crashed runner by long). The exit status is the command's.
+(a hog never outlives a crashed runner by long). The command sees ``CPU_HOGS`` (the number of hogs) in its
+environment, for the few assertions whose margins are measured separately under contention. The exit
+status is the command's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import subprocess
 import sys
 import time
+
+HOGS_ENV = "CPU_HOGS"
 
 
 def _spin(seconds: float) -> None:
@@ -37,7 +41,7 @@ def main() -> int:
     print(f"cpu_hog: {len(hogs)} busy loops running; {' '.join(command)}", flush=True)
     start = time.monotonic()
     try:
-        return subprocess.call(command)
+        return subprocess.call(command, env={**os.environ, HOGS_ENV: str(len(hogs))})
     finally:
         for hog in hogs:
             hog.terminate()

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
-from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout
+from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
 
 
 class FakeEngine:
@@ -102,7 +102,12 @@ class FakeEngine:
         self.free += self.owned.pop(request_id, [])
 
     async def reserve(
-        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        prompt: Sequence[int] = (),
+        remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
         await asyncio.sleep(0)  # a real engine answers from another thread
         return self._allocate(request_id, num_prompt_tokens + params.max_tokens), len(self.free)

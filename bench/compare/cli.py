@@ -33,7 +33,7 @@ from bench.compare.routers import DEFAULT_CONTENDERS
 from bench.provenance import fresh_out, git_state
 from bench.serve.cli import add_slo_arguments, add_workload_arguments
 from bench.serve.metrics import jsonable
-from cli.local_cluster import REPO
+from cli.local_cluster import REPO, TINY_MODEL
 
 DEFAULT_OUT = "a fresh folder under runs/bench/"
 
@@ -41,7 +41,7 @@ DEFAULT_OUT = "a fresh folder under runs/bench/"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``bench compare``."""
     p.add_argument("--out", help=f"output directory (default {DEFAULT_OUT}; bench/results/compare to update those)")
-    p.add_argument("--config", default=str(REPO / "deploy/config.toml"), help="cluster config (default deploy's)")
+    p.add_argument("--config", help="cluster config (default deploy/config.toml; deploy/vllm.toml with --engine vllm)")
     p.add_argument(
         "--set",
         action="append",
@@ -49,12 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="config override for both clusters (repeatable)",
     )
-    p.add_argument("--model", default="tiny-llama", help="served model name (default tiny-llama)")
+    p.add_argument(
+        "--model",
+        help="served model name (default tiny-llama, a small random model; SmolLM2-135M-Instruct with --engine vllm)",
+    )
     p.add_argument(
         "--engine",
         choices=("builtin", "vllm"),
         default="builtin",
-        help="worker engine of every cluster ([engine] backend; vllm also sets 32-token KV blocks)",
+        help="worker engine of every cluster ([engine] backend; vllm serves the config's real model)",
     )
     p.add_argument(
         "--concurrency",
@@ -73,9 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--contenders",
         nargs="+",
-        default=list(DEFAULT_CONTENDERS),
         metavar="SPEC",
-        help=f"conductor or ROUTER:POLICY (default {' '.join(DEFAULT_CONTENDERS)})",
+        help="conductor, conductor:disaggregated or ROUTER:POLICY (ROUTER: sglang, vllm, vllm-pd; default "
+        f"{' '.join(DEFAULT_CONTENDERS['builtin'])}; with --engine vllm {' '.join(DEFAULT_CONTENDERS['vllm'])})",
     )
     r.add_argument("--cluster-json", help="use this running cluster's cluster.json instead of starting one")
     add_workload_arguments(p, requests_flag="--requests")
@@ -125,9 +128,13 @@ def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]
 def main(args: argparse.Namespace) -> int:
     """Run ``bench compare``; 0 on success, 1 on a clear error."""
     args.command_line = "kvconductor " + shlex.join(sys.argv[1:])
-    if args.engine == "vllm":  # before the user's overrides, which may change the block size again
-        pools = ("prefill", "decode", "colocated")
-        args.set = ['engine.backend="vllm"', *(f"{pool}.prefix_cache_block_size=32" for pool in pools), *args.set]
+    # builtin: a small random model (fast to start, nothing to convert); vllm: the config's real model
+    # (deploy/vllm.toml: SmolLM2-135M-Instruct, 32-token blocks); the user's --set overrides come last.
+    vllm = args.engine == "vllm"
+    args.config = args.config or str(REPO / ("deploy/vllm.toml" if vllm else "deploy/config.toml"))
+    args.model = args.model or ("SmolLM2-135M-Instruct" if vllm else "tiny-llama")
+    args.model_overrides = ('engine.backend="vllm"',) if vllm else TINY_MODEL
+    args.contenders = args.contenders or list(DEFAULT_CONTENDERS[args.engine])
     out = Path(args.out or fresh_out("compare"))
     out.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"

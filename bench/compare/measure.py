@@ -15,7 +15,7 @@ from typing import Any
 
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
-from cli.local_cluster import TINY_MODEL, local_cluster
+from cli.local_cluster import local_cluster
 
 
 def measure(
@@ -25,7 +25,7 @@ def measure(
     print(f"[compare] starting {name} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     records: dict[str, Any] = {}
-    with local_cluster(args.config, [*TINY_MODEL, *args.set, *overrides], run_dir) as cluster:
+    with local_cluster(args.config, [*args.model_overrides, *args.set, *overrides], run_dir) as cluster:
         print(f"[compare] {name} ready in {cluster.startup_s:.1f} s at {cluster.rest}", file=sys.stderr, flush=True)
         target = Target(cluster.rest, args.model, None, args.endpoint)
         for i, level in enumerate(levels):

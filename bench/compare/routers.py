@@ -5,7 +5,7 @@
     kvconductor bench compare --routers --cluster-json runs/<ts>/cluster.json   # a cluster already up
 
 One colocated cluster (``kvconductor up`` with two colocated workers, no prefill/decode pool) serves
-every contender, one after the other:
+these contenders, one after the other:
 
 - ``conductor``: our gateway, so the Conductor schedules over the colocated workers (its policy is the
   cluster's ``[scheduler] policy``, ``kvcache_centric`` unless ``--set scheduler.policy=...``);
@@ -13,6 +13,16 @@ every contender, one after the other:
   ``python -m vllm_router.launch_router`` (the PyPI packages ``sglang-router`` and ``vllm-router``)
   started on a free port with ``--worker-urls`` = every worker's ``openai_url`` (the OpenAI API each
   colocated worker serves itself, read from its etcd record), then stopped after its runs.
+
+Two more deployments use the same two worker slots (one engine each), started after the colocated cluster
+is stopped:
+
+- ``conductor:disaggregated``: a prefill/decode cluster (one prefill, one decode worker) behind our
+  gateway: the Conductor's Algorithm 1 with KV moving prefill -> decode;
+- ``vllm-pd:POLICY`` (``--engine vllm`` only): ``vllm-router``'s own prefill/decode mode
+  (``--vllm-pd-disaggregation --kv-connector mooncake``) over two stock vLLM OpenAI servers that run our
+  workers' engine arguments (``bench/compare/vllm_server.py``): vllm-router passes ``kv_transfer_params``
+  over HTTP, which our gRPC workers do not take, so it drives vLLM's own servers instead.
 
 Every contender gets the same workload shape at the same concurrency levels. Prompts are fresh for
 every (contender, level) (seed ``--seed + 100 * contender + level``), so no contender finds the prefixes
@@ -50,20 +60,28 @@ from typing import Any
 import httpx
 
 from bench.compare import report
-from bench.compare.cluster import COLOCATED
+from bench.compare.cluster import COLOCATED, DISAGGREGATED
 from bench.serve import metrics
 from bench.serve.cli import build_workload
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import shared_prefix
-from cli.local_cluster import TINY_MODEL, local_cluster, stop
+from cli.local_cluster import local_cluster, stop
 from services.common.net import free_port
 
-ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
-ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router"}
+ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router",
+                  "vllm-pd": "vllm_router.launch_router"}  # fmt: skip
+ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router", "vllm-pd": "vllm-router"}
 ROUTER_POLICIES = {"sglang": ("cache_aware", "round_robin", "power_of_two", "random"),
-                   "vllm": ("cache_aware", "kv_aware", "power_of_two", "round_robin", "random")}  # fmt: skip
-DEFAULT_CONTENDERS = ("conductor", "sglang:cache_aware", "sglang:round_robin", "vllm:cache_aware",
-                      "vllm:power_of_two", "vllm:kv_aware")  # fmt: skip
+                   "vllm": ("cache_aware", "kv_aware", "power_of_two", "round_robin", "random"),
+                   "vllm-pd": ("cache_aware", "power_of_two", "round_robin", "random")}  # fmt: skip
+DEFAULT_CONTENDERS = {
+    "builtin": ("conductor", "sglang:cache_aware", "sglang:round_robin", "vllm:cache_aware", "vllm:power_of_two",
+                "vllm:kv_aware"),
+    "vllm": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:power_of_two",
+             "vllm-pd:cache_aware"),
+}  # fmt: skip
+DEPLOYMENTS = {"colocated": COLOCATED, "disaggregated": DISAGGREGATED}
+SERVER_READY_TIMEOUT_S = 300.0
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 15.0
 PROBE_REQUESTS = 4
@@ -81,22 +99,25 @@ class Contender:
     spec: str  # "conductor", "sglang:cache_aware", ...
     router: str | None
     policy: str
+    deployment: str  # "colocated", "disaggregated" (our clusters) or "vllm-pd" (stock vLLM servers)
 
     @property
     def label(self) -> str:
         """Table label, e.g. ``sglang-router cache_aware``."""
-        return f"conductor ({self.policy})" if self.router is None else f"{ROUTER_PACKAGES[self.router]} {self.policy}"
+        if self.router is None:
+            return f"conductor{' PD' if self.deployment == 'disaggregated' else ''} ({self.policy})"
+        return f"{ROUTER_PACKAGES[self.router]}{' PD' if self.router == 'vllm-pd' else ''} {self.policy}"
 
 
 def parse_contender(spec: str, conductor_policy: str = "kvcache_centric") -> Contender:
-    """``conductor`` or ``ROUTER:POLICY``; ValueError for anything else."""
-    if spec == "conductor":
-        return Contender(spec, None, conductor_policy)
+    """``conductor``, ``conductor:disaggregated`` or ``ROUTER:POLICY``; ValueError for anything else."""
+    if spec in ("conductor", "conductor:colocated", "conductor:disaggregated"):
+        return Contender(spec, None, conductor_policy, spec.partition(":")[2] or "colocated")
     router, _, policy = spec.partition(":")
     if router not in ROUTER_MODULES or policy not in ROUTER_POLICIES[router]:
         choices = ", ".join(f"{r}:{p}" for r, ps in ROUTER_POLICIES.items() for p in ps)
-        raise ValueError(f"unknown contender {spec!r}: use conductor or one of {choices}")
-    return Contender(spec, router, policy)
+        raise ValueError(f"unknown contender {spec!r}: use conductor, conductor:disaggregated or one of {choices}")
+    return Contender(spec, router, policy, "vllm-pd" if router == "vllm-pd" else "colocated")
 
 
 def router_available(router: str) -> str | None:
@@ -109,12 +130,15 @@ def router_available(router: str) -> str | None:
     return None if found else f"{ROUTER_PACKAGES[router]} is not installed (no module {module})"
 
 
-def router_command(contender: Contender, worker_urls: Sequence[str], port: int, metrics_port: int) -> list[str]:
-    """The launcher's command line. Each router gets its own Prometheus port: both default to 29000."""
+def router_command(contender: Contender, worker_args: Sequence[str], port: int, metrics_port: int) -> list[str]:
+    """The launcher's command line. Each router gets its own Prometheus port: both default to 29000.
+
+    ``worker_args``: ``--worker-urls URL...`` for a colocated pool, ``--prefill URL PORT --decode URL`` in PD.
+    """
     assert contender.router is not None
     level = "warn" if contender.router == "sglang" else "warning"
     return [sys.executable, "-m", ROUTER_MODULES[contender.router], "--host", HOST, "--port", str(port),
-            "--worker-urls", *worker_urls, "--policy", contender.policy,
+            *worker_args, "--policy", contender.policy,
             "--prometheus-host", HOST, "--prometheus-port", str(metrics_port), "--log-level", level]  # fmt: skip
 
 
@@ -123,10 +147,8 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def running_router(contender: Contender, worker_urls: Sequence[str], log_path: Path) -> Iterator[str]:
-    """Start the router, wait until ``GET /health`` answers 200, yield its ``/v1`` base URL, stop it."""
-    port, metrics_port = free_port(), free_port()
-    command = router_command(contender, worker_urls, port, metrics_port)
+def serving(command: Sequence[str], port: int, name: str, log_path: Path, timeout_s: float) -> Iterator[None]:
+    """Start an HTTP server process, wait until ``GET /health`` on ``port`` answers 200, stop it after."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         log.write((" ".join(command) + "\n").encode())
@@ -137,18 +159,50 @@ def running_router(contender: Contender, worker_urls: Sequence[str], log_path: P
         while True:
             if process.poll() is not None:
                 tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"{contender.label} exited with {process.returncode}: " + " | ".join(tail))
+                raise RuntimeError(f"{name} exited with {process.returncode}: " + " | ".join(tail))
             try:
                 if httpx.get(f"http://{HOST}:{port}/health", timeout=2.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() - t0 > ROUTER_READY_TIMEOUT_S:
-                raise RuntimeError(f"{contender.label} not healthy after {ROUTER_READY_TIMEOUT_S:.0f} s ({log_path})")
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{name} not healthy after {timeout_s:.0f} s ({log_path})")
             time.sleep(0.25)
-        yield f"http://{HOST}:{port}/v1"
+        yield
     finally:
         _stop(process)
+
+
+@contextmanager
+def running_router(contender: Contender, worker_args: Sequence[str], log_path: Path) -> Iterator[str]:
+    """Start the router (``router_command``) until healthy, yield its ``/v1`` base URL, stop it."""
+    port, metrics_port = free_port(), free_port()
+    command = router_command(contender, worker_args, port, metrics_port)
+    with serving(command, port, contender.label, log_path, ROUTER_READY_TIMEOUT_S):
+        yield f"http://{HOST}:{port}/v1"
+
+
+@contextmanager
+def stock_vllm_pd(args: argparse.Namespace, root: Path) -> Iterator[list[str]]:
+    """One prefill and one decode stock vLLM server (``bench/compare/vllm_server.py``); yields the router's
+    worker arguments ``--vllm-pd-disaggregation --kv-connector mooncake --prefill URL PORT --decode URL``."""
+    ports = {role: free_port() for role in ("prefill", "decode")}
+    base = [sys.executable, "-m", "bench.compare.vllm_server", "--config", args.config, "--host", HOST,
+            *(a for override in args.set for a in ("--set", override))]  # fmt: skip
+    logs = {role: root / f"vllm-server-{role}.log" for role in ports}
+    print(f"[routers] starting stock vLLM prefill and decode servers (logs {root}) ...", file=sys.stderr, flush=True)
+    with (
+        serving([*base, "--role", "prefill", "--port", str(ports["prefill"])], ports["prefill"], "vLLM prefill server",
+                logs["prefill"], SERVER_READY_TIMEOUT_S),
+        serving([*base, "--role", "decode", "--port", str(ports["decode"])], ports["decode"], "vLLM decode server",
+                logs["decode"], SERVER_READY_TIMEOUT_S),
+    ):  # fmt: skip
+        found = re.search(r"bootstrap_port=(\d+)", logs["prefill"].read_text(errors="replace"))
+        if not found:
+            raise RuntimeError(f"the vLLM prefill server printed no bootstrap port ({logs['prefill']})")
+        yield ["--vllm-pd-disaggregation", "--kv-connector", "mooncake",
+               "--prefill", f"http://{HOST}:{ports['prefill']}", found.group(1),
+               "--decode", f"http://{HOST}:{ports['decode']}"]  # fmt: skip
 
 
 # --- the workers ------------------------------------------------------------------------------------
@@ -156,26 +210,32 @@ def running_router(contender: Contender, worker_urls: Sequence[str], log_path: P
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A colocated worker's ids and URLs, from its etcd record."""
+    """A worker's ids and URLs, from its etcd record (``openai_url`` only on colocated workers)."""
 
     instance_id: str
     openai_url: str
     metrics_address: str
 
 
-def colocated_workers(manifest: dict[str, Any]) -> list[WorkerInfo]:
-    """The colocated workers registered in the cluster that ``manifest`` (cluster.json) describes."""
+def cluster_workers(manifest: dict[str, Any], deployment: str = "colocated") -> list[WorkerInfo]:
+    """The workers registered in the cluster that ``manifest`` (cluster.json) describes.
+
+    Colocated: every colocated worker with an ``openai_url`` (the routers' targets); disaggregated: every
+    prefill and decode worker.
+    """
     from services.common.instance_record import WorkerRecord
     from services.common.registry import Registry
 
-    records = Registry(manifest["etcd"], manifest["cluster"]).list("colocated")
+    registry = Registry(manifest["etcd"], manifest["cluster"])
+    roles = ("colocated",) if deployment == "colocated" else ("prefill", "decode")
     workers = [
         WorkerInfo(instance_id, record.openai_url, record.metrics_address)
-        for (_, instance_id), record in sorted(records.items())
-        if isinstance(record, WorkerRecord) and record.openai_url
+        for role in roles
+        for (_, instance_id), record in sorted(registry.list(role).items())
+        if isinstance(record, WorkerRecord) and (record.openai_url or deployment != "colocated")
     ]
     if not workers:
-        raise RuntimeError("no colocated worker with an openai_url in etcd (is colocated.node_count > 0?)")
+        raise RuntimeError(f"no {'/'.join(roles)} worker in etcd (node_count > 0? an openai_url when colocated?)")
     return workers
 
 
@@ -286,11 +346,11 @@ def run_contender(
     return result
 
 
-def warm_up(workers: Sequence[WorkerInfo], model: str) -> None:
-    """A couple of short random requests straight to every worker (first-run costs out of the way)."""
+def warm_up(base_urls: Sequence[str], model: str) -> None:
+    """A couple of short random requests to each ``/v1`` base URL (first-run costs out of the way)."""
     rng = random.Random(4242)
-    for w in workers:
-        target = Target(w.openai_url + "/v1", model)
+    for url in base_urls:
+        target = Target(url, model)
         requests = [shared_prefix(1, 1, 0, 64, 4, seed=rng.randrange(1 << 30))[0] for _ in range(WARMUP_REQUESTS)]
         asyncio.run(run(target, requests, 1, None, 0, True))
 
@@ -309,54 +369,76 @@ def conductor_policy(overrides: Sequence[str]) -> str:
 
 
 @contextmanager
-def cluster_manifest(args: argparse.Namespace, root: Path) -> Iterator[dict[str, Any]]:
-    """cluster.json of the cluster to use: ``--cluster-json``'s, or a colocated one started here."""
-    if args.cluster_json:
+def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> Iterator[dict[str, Any]]:
+    """cluster.json of the cluster to use: ``--cluster-json``'s (colocated only), or one started here."""
+    if args.cluster_json and deployment == "colocated":
         yield json.loads(Path(args.cluster_json).read_text())
         return
-    overrides = [*args.set, *COLOCATED]
-    print(f"[routers] starting the colocated cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
-    with local_cluster(args.config, [*TINY_MODEL, *overrides], root / "cluster") as cluster:
+    overrides = [*args.model_overrides, *args.set, *DEPLOYMENTS[deployment]]
+    print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
+    with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
         yield {**json.loads((cluster.run_dir / "cluster.json").read_text()), "startup_s": cluster.startup_s}
 
 
-def _one(contender: Contender, i: int, args: argparse.Namespace, manifest: dict[str, Any],
-         workers: Sequence[WorkerInfo], root: Path) -> dict[str, Any]:  # fmt: skip
+def _one(contender: Contender, i: int, args: argparse.Namespace, front: dict[str, Any], root: Path) -> dict[str, Any]:
+    """One contender against a deployment that is up: ``front`` holds its workers and how to reach them."""
     if contender.router is None:
-        return run_contender(contender, i, args, manifest["rest"].rstrip("/"), workers)
+        return run_contender(contender, i, args, front["rest"], front["workers"])
     log = root / f"{contender.router}-{contender.policy}.log"
     print(f"[routers] starting {contender.label} (log {log}) ...", file=sys.stderr, flush=True)
-    with running_router(contender, [w.openai_url for w in workers], log) as base_url:
-        result = run_contender(contender, i, args, base_url, workers)
+    with running_router(contender, front["router_args"], log) as base_url:
+        if contender.deployment != "colocated":
+            warm_up([base_url], args.model)
+        result = run_contender(contender, i, args, base_url, front["workers"])
     result["log"] = str(log)
     return result
 
 
+@contextmanager
+def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iterator[dict[str, Any]]:
+    """Bring one deployment up and warm it; yields its workers, gateway URL, router arguments, start-up time."""
+    if deployment == "vllm-pd":
+        t0 = time.monotonic()
+        with stock_vllm_pd(args, root / deployment) as router_args:
+            yield {"workers": [], "rest": None, "router_args": router_args, "startup_s": time.monotonic() - t0}
+        return
+    with cluster_manifest(args, root, deployment) as manifest:
+        workers = cluster_workers(manifest, deployment)
+        print(f"[routers] {deployment} workers: {', '.join(w.instance_id for w in workers)}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        rest = manifest["rest"].rstrip("/")
+        warm_up([w.openai_url + "/v1" for w in workers] if deployment == "colocated" else [rest], args.model)
+        yield {"workers": workers, "rest": rest, "startup_s": manifest.get("startup_s"),
+               "router_args": ["--worker-urls", *(w.openai_url for w in workers)]}  # fmt: skip
+
+
 def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """Every contender on one cluster's workers; the JSON record (without the output files)."""
+    """Every contender, deployment by deployment (each started after the last one stopped); the JSON record."""
     contenders = [parse_contender(spec, conductor_policy(args.set)) for spec in args.contenders]
+    if any(c.deployment == "vllm-pd" for c in contenders) and args.engine != "vllm":
+        raise ValueError("vllm-pd contenders need --engine vllm (vllm-router drives vLLM servers)")
     results: dict[str, Any] = {}
-    with cluster_manifest(args, root) as manifest:
-        workers = colocated_workers(manifest)
-        print(f"[routers] workers: {', '.join(f'{w.instance_id} {w.openai_url}' for w in workers)}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        warm_up(workers, args.model)
-        for i, contender in enumerate(contenders):
-            missing = contender.router and router_available(contender.router)
-            if missing:
-                results[contender.spec] = {"label": contender.label, "skipped": missing}
-                print(f"[routers] skipping {contender.label}: {missing}", file=sys.stderr, flush=True)
-                continue
-            try:
-                results[contender.spec] = _one(contender, i, args, manifest, workers, root)
-            except (RuntimeError, ValueError, httpx.HTTPError) as e:
-                results[contender.spec] = {"label": contender.label, "failed": f"{type(e).__name__}: {e}"}
-                print(f"[routers] {contender.label} failed: {e}", file=sys.stderr, flush=True)
-            if contender.spec == "vllm:kv_aware" and "levels" in results[contender.spec]:
-                results[contender.spec]["note"] = KV_AWARE_NOTE
-    return {"workers": [vars(w) for w in workers], "cluster_startup_s": manifest.get("startup_s"),
-            "contenders": results}  # fmt: skip
+    deployments: dict[str, Any] = {}
+    for deployment in dict.fromkeys(c.deployment for c in contenders):
+        with deployment_up(deployment, args, root) as front:
+            deployments[deployment] = {"workers": [vars(w) for w in front["workers"]], "startup_s": front["startup_s"]}
+            for i, contender in enumerate(contenders):
+                if contender.deployment != deployment:
+                    continue
+                missing = contender.router and router_available(contender.router)
+                if missing:
+                    results[contender.spec] = {"label": contender.label, "skipped": missing}
+                    print(f"[routers] skipping {contender.label}: {missing}", file=sys.stderr, flush=True)
+                    continue
+                try:
+                    results[contender.spec] = _one(contender, i, args, front, root)
+                except (RuntimeError, ValueError, httpx.HTTPError) as e:
+                    results[contender.spec] = {"label": contender.label, "failed": f"{type(e).__name__}: {e}"}
+                    print(f"[routers] {contender.label} failed: {e}", file=sys.stderr, flush=True)
+                if contender.spec == "vllm:kv_aware" and "levels" in results[contender.spec]:
+                    results[contender.spec]["note"] = KV_AWARE_NOTE
+    return {"deployments": deployments, "contenders": results}
 
 
 def table(record: dict[str, Any], levels: Sequence[int]) -> dict[str, dict[str, Any]]:
@@ -367,17 +449,17 @@ def table(record: dict[str, Any], levels: Sequence[int]) -> dict[str, dict[str, 
 
 def workers_markdown(record: dict[str, Any], levels: Sequence[int]) -> str:
     """Per contender and level: each worker's share of the prompt tokens and its engine hit rate; the probe."""
-    ids = [w["instance_id"] for w in record["workers"]]
+    ran = [r for r in record["contenders"].values() if "levels" in r]
+    ids = list(dict.fromkeys(i for r in ran for level in r["levels"].values() for i in level["workers"]))
     head = ("| run | " + " | ".join(f"{i} tokens / hit" for i in ids) + " | probe: one prefix, "
             f"{PROBE_REQUESTS} requests |\n|---|" + "---:|" * (len(ids) + 1) + "\n")  # fmt: skip
     rows = []
-    for r in record["contenders"].values():
-        if "levels" not in r:
-            continue
-        probe_cell = " / ".join(f"{r['probe']['token_share'][i]:.0%}" for i in ids)
+    for r in ran:
+        shares = r["probe"]["token_share"]
+        probe_cell = " / ".join(f"{shares[i]:.0%}" if i in shares else "-" for i in ids)
         for c in levels:
             w = r["levels"][f"c={c}"]["workers"]
-            cells = [f"{w[i]['token_share']:.0%} / {w[i]['hit_rate']:.0%}" for i in ids]
+            cells = [f"{w[i]['token_share']:.0%} / {w[i]['hit_rate']:.0%}" if i in w else "-" for i in ids]
             rows.append(f"| {r['label']} c={c} | " + " | ".join(cells) + f" | {probe_cell} |\n")
     return head + "".join(rows)
 
@@ -386,7 +468,8 @@ def markdown(record: dict[str, Any], title: str, levels: Sequence[int]) -> str:
     """routers.md: the table, what the workers saw, what was skipped or failed."""
     lines = [f"{title}; code {record['code']}; `{record['command']}`\n", report.markdown_table(table(record, levels)),
              "\nWhat the workers saw (their own /metrics: share of the prompt tokens each engine looked up, and "
-             "its prefix-cache hit rate; probe: shares of a prefix sent 4 times in a row):\n",
+             "its prefix-cache hit rate; probe: shares of a prefix sent 4 times in a row; - where a contender ran "
+             "on other workers, and none for stock vLLM servers):\n",
              workers_markdown(record, levels)]  # fmt: skip
     for r in record["contenders"].values():
         for key in ("skipped", "failed", "note"):
@@ -397,7 +480,7 @@ def markdown(record: dict[str, Any], title: str, levels: Sequence[int]) -> str:
 
 def colors(labels: Sequence[str]) -> list[str]:
     """One colour per front end: ours blue, sglang-router greens, vllm-router oranges."""
-    palette = {"conductor": ["#4C72B0"], "sglang-router": ["#55A868", "#8FD19E", "#2E6B3F"],
+    palette = {"conductor": ["#4C72B0", "#1F3A68"], "sglang-router": ["#55A868", "#8FD19E", "#2E6B3F"],
                "vllm-router": ["#DD8452", "#F2B880", "#A0522D", "#C44E52"]}  # fmt: skip
     seen: dict[str, list[str]] = {}
     out = []
@@ -424,9 +507,8 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     if not runs:
         raise RuntimeError("no contender ran: " + "; ".join(
             f"{r['label']}: {r.get('skipped') or r.get('failed')}" for r in record["contenders"].values()))  # fmt: skip
-    n = len(record["workers"])
     title = (f"bench compare --routers: {args.workload}, {args.num_requests} requests over {args.num_prefixes} "
-             f"prefixes, the same {n} colocated workers behind each front end")  # fmt: skip
+             f"prefixes, {args.engine} engine, two workers of one engine each behind every front end")  # fmt: skip
     (out / "routers.json").write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
     (out / "routers.md").write_text(markdown(record, title, args.concurrency))
     report.plot(runs, out / "routers.png", title, colors=colors(list(runs)))

@@ -286,11 +286,13 @@ class Registry:
         return handle
 
     def list(self, role: str | None = None) -> dict[InstanceKey, InstanceRecord]:
-        """Return {(role, instance_id): record} of the instances registered now."""
+        """Return {(role, instance_id): record} of the instances registered now; ConnectionError if etcd fails."""
         prefix = self.prefix if role is None else f"{self.prefix}{role}/"
         client = connect(self._endpoints, self._rpc_timeout, self._auth)
         try:
             kvs = client.get_prefix_response(prefix).kvs
+        except Exception as exc:  # pyetcd raises grpc, pyetcd and ValueError types alike
+            raise ConnectionError(f"etcd read of {prefix} failed: {exc!r}") from exc
         finally:
             client.close()
         return {k: r for k, r in _decode(self.prefix, kvs).items() if r is not None}

@@ -21,7 +21,7 @@ from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_loop import EngineDied, EngineLoop, next_output
-from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout
+from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
 from services.worker.profiler import profile_engine
 
 log = logging.getLogger(__name__)
@@ -130,9 +130,14 @@ class BuiltinEngine:
             await asyncio.shield(self._loop.call(lambda e: e.abort(request_id)))
 
     async def reserve(
-        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        prompt: Sequence[int] = (),
+        remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
-        """Blocks for prompt + max_tokens, now, and the free count after."""
+        """Blocks for prompt + max_tokens, now, and the free count after (the transfer engine fills them)."""
         return await self._loop.call_now(
             lambda e: (e.reserve(request_id, num_prompt_tokens, params), e.num_free_blocks)
         )

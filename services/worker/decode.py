@@ -24,7 +24,6 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.rpc import RpcError, Service
 from services.common.tasks import complete
@@ -57,19 +56,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.released.pop(rid, None) is not None:
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
-        if w.engine.moves_kv_itself:
-            return await self._submit(request, params)
+        remote = request.remote_prefill
+        remote_prefill = RemotePrefill(remote.engine_id, remote.bootstrap_addr) if remote.engine_id else None
 
         async def reserve() -> tuple[list[int] | None, int]:
-            blocks, free = await w.engine.reserve(rid, request.num_prompt_tokens, params)
+            blocks, free = await w.engine.reserve(
+                rid, request.num_prompt_tokens, params, request.prompt_token_ids, remote_prefill
+            )
             if blocks is not None and rid not in self.reservations:  # released while we allocated
                 await w.engine.abort(rid)
             return blocks, free
 
-        blocks, free = await complete(reserve())
+        try:
+            blocks, free = await complete(reserve())
+        except ValueError:
+            self.reservations.pop(rid, None)
+            raise
         if blocks is None:
             self.reservations.pop(rid, None)
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
+        if w.engine.moves_kv_itself:  # queued in the engine; its connector pulls the KV
+            return decode_pb2.ReserveResponse(target=common_pb2.KVBlockTarget(), num_free_blocks=free)
         layout = w.engine.layout
         prompt_blocks = blocks[: layout.num_blocks_for(request.num_prompt_tokens)]
         target = common_pb2.KVBlockTarget(
@@ -78,21 +85,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             bytes_per_block=layout.bytes_per_block,
         )
         return decode_pb2.ReserveResponse(target=target, num_free_blocks=free)
-
-    async def _submit(self, request: decode_pb2.ReserveRequest, params: SamplingParams) -> decode_pb2.ReserveResponse:
-        """An engine with its own KV connector: queue the decode request now; it waits there for the KV."""
-        w, rid, remote = self.worker, request.request_id, request.remote_prefill
-        if not remote.engine_id or len(request.prompt_token_ids) != request.num_prompt_tokens:
-            self.reservations.pop(rid, None)
-            raise ValueError("this decode worker's engine needs prompt_token_ids and remote_prefill in Reserve")
-        free = await complete(
-            w.engine.submit_remote_decode(  # type: ignore[attr-defined]
-                rid, list(request.prompt_token_ids), params, RemotePrefill(remote.engine_id, remote.bootstrap_addr)
-            )
-        )
-        if rid not in self.reservations:  # released while we submitted
-            await w.engine.abort(rid)
-        return decode_pb2.ReserveResponse(target=common_pb2.KVBlockTarget(), num_free_blocks=free)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[common_pb2.TokenChunk]:  # noqa: N802
         """Join the batch with token 0 and stream the following tokens."""

@@ -137,9 +137,18 @@ class EnginePort(Protocol):
         """Drop a request (waiting, running, held or reserved) and free its blocks; unknown ids are ignored."""
 
     async def reserve(
-        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        prompt: Sequence[int] = (),
+        remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
-        """Blocks for a request whose prompt KV arrives from elsewhere (None if too few), and the free count after."""
+        """Make room for a request whose prompt KV arrives from elsewhere; (blocks or None if too few, free count).
+
+        ``moves_kv_itself`` engines take the whole request here (``prompt`` and the ``remote`` prefill worker
+        its connector pulls from) and queue it at once; they return no blocks (``[]``).
+        """
 
     def decode(
         self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams

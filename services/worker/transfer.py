@@ -163,6 +163,12 @@ class KVTransferEngine:
             )
         return TransferResult(len(local) * length, len(local), seconds)
 
+    def count_written(self, blocks: int, nbytes: int) -> None:
+        """Count blocks this process's engine wrote to a peer through a transfer engine of its own (vLLM's)."""
+        with self._lock:
+            self._counts.bytes_written += nbytes
+            self._counts.blocks_written += blocks
+
     def count_received(self, blocks: int, nbytes: int) -> None:
         """Count blocks a peer wrote into this process's memory."""
         with self._lock:

@@ -30,7 +30,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from engine.block_hash import hash_block
@@ -53,11 +53,19 @@ class VllmEngine:
 
     moves_kv_itself = True  # vLLM's KV connector moves prompt KV; the worker's transfer engine does not
 
-    def __init__(self, llm: Any, layout: KVLayout, role: str, refiner: CostRefiner | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        layout: KVLayout,
+        role: str,
+        refiner: CostRefiner | None = None,
+        count_sent: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.llm = llm
         self.layout = layout
         self.role = role
         self.refiner = refiner
+        self.count_sent = count_sent  # (blocks, bytes) the connector wrote to decode workers
         self.events = KVEventTranslator(layout.block_size)
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
@@ -174,11 +182,21 @@ class VllmEngine:
                 out = dataclasses.replace(out, finish_reason=None)
             yield out
 
-    async def submit_remote_decode(
-        self, request_id: str, prompt: list[int], params: SamplingParams, remote: RemotePrefill
-    ) -> int:
-        """Queue a decode request whose prompt KV the prefill worker's connector will push; the free blocks."""
+    async def reserve(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        prompt: Sequence[int] = (),
+        remote: RemotePrefill | None = None,
+    ) -> tuple[list[int] | None, int]:
+        """Queue the decode request now: no blocks (vLLM allocates as it goes), and the free count.
+
+        It waits in vLLM for the KV that the ``remote`` prefill worker's connector pushes.
+        """
         self._check_alive()
+        if remote is None or len(prompt) != num_prompt_tokens:
+            raise ValueError("a vLLM decode worker needs prompt_token_ids and remote_prefill in Reserve")
         if request_id in self._remote:
             raise ValueError(f"request {request_id!r} is already waiting for its KV")
         transfer = {
@@ -189,13 +207,13 @@ class VllmEngine:
 
         async def pump() -> None:
             try:
-                async for out in self._stream(request_id, prompt, self._sampling(params, transfer)):
+                async for out in self._stream(request_id, list(prompt), self._sampling(params, transfer)):
                     outputs.put_nowait(out)
             except Exception as e:  # noqa: BLE001 - handed to the Decode call
                 outputs.put_nowait(e)
 
         self._remote[request_id] = (outputs, asyncio.create_task(pump()))
-        return self.stats.num_free_blocks
+        return [], self.stats.num_free_blocks
 
     async def decode(
         self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams
@@ -234,12 +252,6 @@ class VllmEngine:
             entry[1].cancel()
         with contextlib.suppress(Exception):
             await asyncio.shield(self.llm.abort(request_id))
-
-    async def reserve(
-        self, request_id: str, num_prompt_tokens: int, params: SamplingParams
-    ) -> tuple[list[int] | None, int]:
-        """Not for vLLM, which allocates as it goes: decode workers use ``submit_remote_decode``."""
-        raise NotImplementedError("vLLM decode workers take the whole request in submit_remote_decode")
 
     async def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """No KV exports from vLLM's pool."""
@@ -282,6 +294,10 @@ class VllmEngine:
     def observe_step(self, scheduler_stats: Any) -> None:
         """A vLLM step's stats (called by the stat logger on the event loop)."""
         self.stats.update(scheduler_stats)
+        connector = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+        sent = int(sum(connector.get("bytes_transferred", ())))  # the MooncakeConnector's pushes since last step
+        if sent and self.count_sent is not None:
+            self.count_sent(round(sent / self.layout.bytes_per_block), sent)
         details = getattr(scheduler_stats, "iteration_details", None)
         if self.refiner is None or details is None or details.elapsed_ms <= 0:
             return
@@ -421,15 +437,15 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-async def build(
-    config: Config, role: str, instance_id: str, pool_config: WorkerConfig
-) -> tuple[VllmEngine, CostRefiner, str]:
-    """Start vLLM for one worker process and profile it: (engine, refiner, KV bootstrap address or "")."""
-    from vllm.config import KVEventsConfig, KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+def engine_arguments(
+    config: Config, role: str, instance_id: str, pool_config: WorkerConfig, events_endpoint: str | None
+) -> tuple[dict[str, Any], str]:
+    """The engine arguments of vLLM for one worker, and its KV bootstrap address ("" unless prefill).
 
-    from services.worker.vllm_profile import profile_vllm
+    Sets the process environment vLLM reads at start-up. Shared with ``bench/compare/vllm_server.py``, so a
+    stock vLLM server in a comparison runs exactly the engine our worker runs.
+    """
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     host = config.cluster.host
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -450,17 +466,34 @@ async def build(
             kv_connector_extra_config={"mooncake_protocol": config.cluster.transfer_backend},
             kv_load_failure_policy="fail",
         )  # fmt: skip
-    events_endpoint = f"ipc://{tempfile.gettempdir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
     caching = pool_config.enable_prefix_caching and role != "decode"
-    args = AsyncEngineArgs(
-        model=config.model.path, served_model_name=config.model.name, dtype=config.model.dtype,  # type: ignore[arg-type]
+    arguments = dict(
+        model=config.model.path, served_model_name=config.model.name, dtype=config.model.dtype,
         enforce_eager=True, block_size=config.block_size, enable_prefix_caching=caching,
         max_num_batched_tokens=pool_config.max_num_batched_tokens, max_num_seqs=pool_config.max_concurrent_requests,
-        kv_cache_memory_bytes=pool_config.kv_cache_bytes, seed=0, disable_log_stats=False,
-        enable_logging_iteration_details=True, kv_transfer_config=transfer,
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=caching, publisher="zmq", endpoint=events_endpoint)
-        if caching else None,
+        kv_cache_memory_bytes=pool_config.kv_cache_bytes, seed=0, kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
+        if caching and events_endpoint else None,
     )  # fmt: skip
+    return arguments, bootstrap
+
+
+async def build(
+    config: Config, role: str, instance_id: str, pool_config: WorkerConfig, count_sent: Callable[[int, int], None]
+) -> tuple[VllmEngine, CostRefiner, str]:
+    """Start vLLM for one worker process and profile it: (engine, refiner, KV bootstrap address or "").
+
+    ``count_sent(blocks, bytes)`` is called with the KV its connector pushed to decode workers.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from services.worker.vllm_profile import profile_vllm
+
+    events_endpoint = f"ipc://{tempfile.gettempdir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
+    arguments, bootstrap = engine_arguments(config, role, instance_id, pool_config, events_endpoint)
+    caching = arguments["kv_events_config"] is not None
+    args = AsyncEngineArgs(**arguments, disable_log_stats=False, enable_logging_iteration_details=True)
     log.info("starting vLLM for %s (%s, %d MiB KV cache)", config.model.path, config.model.dtype,
              pool_config.kv_cache_memory_mb)  # fmt: skip
     # vLLM's own stat logger would log every step (we ask for per-step details); ours reads them instead.
@@ -479,7 +512,7 @@ async def build(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=config.model.dtype,
         max_model_len=model.max_model_len, vocab_size=hf.vocab_size,
     )  # fmt: skip
-    engine = VllmEngine(llm, layout, role)
+    engine = VllmEngine(llm, layout, role, count_sent=count_sent)
     holder["engine"] = engine
     if caching:
         engine.events.subscribe(events_endpoint)

@@ -107,13 +107,15 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     torch.set_num_threads(pool_config.torch_threads)
     engine: EnginePort
     kv_bootstrap = ""
+    transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
     if config.engine.backend == "vllm":
         from services.worker import vllm_engine  # imports vLLM: only on workers that run it
 
-        engine, refiner, kv_bootstrap = await vllm_engine.build(config, role, instance_id, pool_config)
+        engine, refiner, kv_bootstrap = await vllm_engine.build(
+            config, role, instance_id, pool_config, transfer.count_written
+        )
     else:
         engine, refiner = builtin_engine.build(config, role, pool_config)
-    transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
     if not engine.moves_kv_itself:
         transfer.register(engine.layout.base_address, engine.layout.nbytes)
     metrics.register_transfer(lambda: transfer.counts().by_direction())

@@ -15,7 +15,7 @@ from helpers import launch_cluster, stop_cluster
 
 from bench.compare.routers import (
     Contender,
-    colocated_workers,
+    cluster_workers,
     router_available,
     running_router,
     scrape_all,
@@ -42,16 +42,17 @@ def colocated(tmp_path_factory, model_dir):
 
 def _through_router(cluster, policy: str, requests, log_dir: Path):
     """Send ``requests`` through the router with ``policy`` in front of the workers: results and per-worker deltas."""
-    workers = colocated_workers(cluster.manifest)
-    contender = Contender(f"{ROUTER}:{policy}", ROUTER, policy)
-    with running_router(contender, [w.openai_url for w in workers], log_dir / "router.log") as base_url:
+    workers = cluster_workers(cluster.manifest)
+    contender = Contender(f"{ROUTER}:{policy}", ROUTER, policy, "colocated")
+    urls = ["--worker-urls", *(w.openai_url for w in workers)]
+    with running_router(contender, urls, log_dir / "router.log") as base_url:
         before = scrape_all(workers)
         results, _ = asyncio.run(run(Target(base_url, "tiny-llama"), requests, 1, None, 0, True))
         return results, worker_deltas(before, scrape_all(workers))
 
 
-def test_router_round_robin_reaches_both_colocated_workers(colocated, tmp_path: Path):
-    assert len(colocated_workers(colocated.manifest)) == 2
+def test_router_round_robin_reaches_both_cluster_workers(colocated, tmp_path: Path):
+    assert len(cluster_workers(colocated.manifest)) == 2
     requests = shared_prefix(4, 1, 32, 8, 4, seed=1)  # four different prompts
     results, deltas = _through_router(colocated, "round_robin", requests, tmp_path)
     assert [r.error for r in results] == [None] * 4

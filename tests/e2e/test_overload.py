@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 
@@ -17,7 +18,9 @@ from cli.client import ConductorClient
 MAX_TTFT_S = 1.0
 MAX_TBT_S = 0.1
 # Predictions are estimates on a shared 2-core machine: an accepted request may miss by a margin, not by multiples.
-TOLERANCE = 1.5
+# Under `make test-contended` (a busy loop on each core, tests/cpu_hog.py) the prefill worker's share of a core
+# swings with every other process that wakes up: measured there, a request predicted at 829 ms took 1,567 ms.
+TOLERANCE = 2.5 if os.environ.get("CPU_HOGS") else 1.5
 
 
 @pytest.fixture(scope="module")

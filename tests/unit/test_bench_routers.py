@@ -7,17 +7,55 @@ import pytest
 from bench.compare.routers import (
     conductor_policy,
     parse_contender,
+    router_command,
     worker_deltas,
+    workers_markdown,
 )
 
 
 def test_contender_specs():
     assert parse_contender("conductor", "least_loaded").label == "conductor (least_loaded)"
     assert parse_contender("vllm:power_of_two").label == "vllm-router power_of_two"
-    with pytest.raises(ValueError, match="unknown contender"):
-        parse_contender("sglang:kv_aware")
+    pd = parse_contender("conductor:disaggregated")
+    assert (pd.label, pd.deployment, pd.router) == ("conductor PD (kvcache_centric)", "disaggregated", None)
+    stock = parse_contender("vllm-pd:cache_aware")
+    assert (stock.label, stock.deployment, stock.router) == ("vllm-router PD cache_aware", "vllm-pd", "vllm-pd")
+    assert parse_contender("sglang:cache_aware").deployment == "colocated"
+    for bad in ("sglang:kv_aware", "vllm-pd:kv_aware", "conductor:pd"):
+        with pytest.raises(ValueError, match="unknown contender"):
+            parse_contender(bad)
     assert conductor_policy(["scheduler.policy=round_robin", "gateway.port=0"]) == "round_robin"
     assert conductor_policy([]) == "kvcache_centric"
+
+
+def test_router_command_takes_the_deployments_worker_arguments():
+    pd = [
+        "--vllm-pd-disaggregation",
+        "--kv-connector",
+        "mooncake",
+        "--prefill",
+        "http://h:1",
+        "9",
+        "--decode",
+        "http://h:2",
+    ]
+    command = router_command(parse_contender("vllm-pd:cache_aware"), pd, 8000, 29001)
+    assert command[command.index("--vllm-pd-disaggregation") :][: len(pd)] == pd
+    assert command[command.index("--policy") + 1] == "cache_aware" and "vllm_router.launch_router" in command
+
+
+def test_worker_table_marks_workers_a_contender_did_not_use():
+    level = {"c=1": {"workers": {"colocated-0": {"token_share": 1.0, "hit_rate": 0.5}}}}
+    record = {"contenders": {
+        "conductor": {"label": "conductor (kvcache_centric)", "levels": level,
+                      "probe": {"token_share": {"colocated-0": 1.0}}},
+        "vllm-pd:cache_aware": {"label": "vllm-router PD cache_aware", "levels": {"c=1": {"workers": {}}},
+                                "probe": {"token_share": {}}},
+    }}  # fmt: skip
+    rows = workers_markdown(record, [1]).splitlines()
+    assert rows[0].startswith("| run | colocated-0 tokens / hit | probe")
+    assert rows[2] == "| conductor (kvcache_centric) c=1 | 100% / 50% | 100% |"
+    assert rows[3] == "| vllm-router PD cache_aware c=1 | - | - |"
 
 
 def test_worker_deltas_share_and_hit_rate():

@@ -468,7 +468,7 @@ def engine_arguments(
         )  # fmt: skip
     caching = pool_config.enable_prefix_caching and role != "decode"
     arguments = dict(
-        model=config.model.path, served_model_name=config.model.name, dtype=config.model.dtype,
+        model=config.model.path, served_model_name=[config.model.name], dtype=config.model.dtype,
         enforce_eager=True, block_size=config.block_size, enable_prefix_caching=caching,
         max_num_batched_tokens=pool_config.max_num_batched_tokens, max_num_seqs=pool_config.max_concurrent_requests,
         kv_cache_memory_bytes=pool_config.kv_cache_bytes, seed=0, kv_transfer_config=transfer,

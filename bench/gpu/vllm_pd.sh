@@ -7,7 +7,8 @@
 # workers keep their own port and vLLM instance, and [cluster] transfer_backend picks RDMA where the NICs
 # have it (TRANSFER=rdma). It runs (1) a 1P+1D kvconductor cluster on vLLM and `bench serve` against it,
 # (2) `bench compare --engine vllm --routers` (the Conductor vs sglang-router / vllm-router on colocated
-# vLLM workers). One GPU: every vLLM instance gets a slice of it (VLLM_GPU_SHARE of memory each).
+# vLLM workers, our 1P+1D cluster, and vllm-router's PD mode over stock vLLM servers with the Mooncake
+# connector). One GPU: every vLLM instance gets a fixed KV pool (kv_cache_memory_mb, 16 GiB each).
 set -euo pipefail
 MODEL=${1:?usage: bash bench/gpu/vllm_pd.sh MODEL_DIR [OUT_DIR]}
 OUT=${2:-runs/bench/gpu-$(date +%Y%m%d-%H%M%S)}
@@ -40,7 +41,7 @@ until [ -f "$OUT/cluster/cluster.json" ]; do sleep 2; kill -0 $UP; done
 kill -INT $UP; wait $UP || true
 trap - EXIT
 
-echo "== the Conductor vs sglang-router / vllm-router on colocated vLLM workers"
+echo "== the Conductor (colocated and PD) vs sglang-router / vllm-router (colocated and PD) on vLLM"
 .venv/bin/kvconductor bench compare --engine vllm --routers --model bench-model --requests "$REQUESTS" \
   --concurrency 16 --out "$OUT/compare" "${COMMON[@]}"
 echo "results in $OUT"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -125,9 +126,14 @@ def run_sweep(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]
     return record
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``bench compare``; 0 on success, 1 on a clear error."""
     args.command_line = "kvconductor " + shlex.join(sys.argv[1:])
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters and routers it started, as on Ctrl-C
     # builtin: a small random model (fast to start, nothing to convert); vllm: the config's real model
     # (deploy/vllm.toml: SmolLM2-135M-Instruct, 32-token blocks); the user's --set overrides come last.
     vllm = args.engine == "vllm"

@@ -108,3 +108,46 @@ def test_compare_readme_prose_numbers_come_from_the_json():
     assert ours[0]["tpot_ms"]["median"] == max(s["tpot_ms"]["median"] for s in at4[0].values())
     for claim in claims:
         assert claim in readme, f"README.md no longer says: {claim}"
+
+
+def test_vllm_compare_readme_prose_numbers_come_from_the_json():
+    folder = SIM.parent / "compare" / "vllm"
+    readme = " ".join((folder / "README.md").read_text().split())
+    first, rerun = (
+        json.loads(p.read_text()) for p in (folder / "routers.json", folder.parent / "vllm-pd" / "routers.json")
+    )
+    for record in (first, rerun):
+        assert record["command"].startswith("kvconductor bench compare --engine vllm --routers")
+        assert "uncommitted" not in record["code"]
+        assert record["code"] in readme
+    runs = {
+        (spec, level): c["levels"][level]["summary"]
+        for spec, c in first["contenders"].items()
+        for level in ("c=1", "c=4")
+    }
+    pd = rerun["contenders"]["conductor:disaggregated"]["levels"]
+    ttft = {k: s["ttft_ms"]["median"] for k, s in runs.items()}
+    goodput = {k: s["goodput"] for k, s in runs.items()}
+    peers = ("sglang:cache_aware", "vllm:cache_aware", "vllm:power_of_two")
+    best = max((goodput[(p, "c=4")], p) for p in peers)
+    stock = runs[("vllm-pd:cache_aware", "c=4")]
+    sg, vc, vp = (ttft[(p, "c=1")] for p in peers)
+    c4, pd1 = ttft[("conductor", "c=4")], pd["c=1"]["summary"]["ttft_ms"]["median"]
+    claims = [
+        f"TTFT p50 {ttft[('conductor', 'c=1')]:.1f} ms (Conductor) vs {sg:.1f} (sglang-router cache_aware), "
+        f"{vc:.1f} (vllm-router cache_aware), {vp:.1f} ms (vllm-router power_of_two)",
+        f"goodput {goodput[('conductor', 'c=1')]:.2f} vs " + ", ".join(f"{goodput[(p, 'c=1')]:.2f}" for p in peers),
+        f"TTFT p50 {c4:.1f} ms against {min(ttft[(p, 'c=4')] for p in peers):.1f} to "
+        f"{max(ttft[(p, 'c=4')] for p in peers):.1f} ms",
+        f"goodput {goodput[('conductor', 'c=4')]:.2f} req/s against {best[0]:.2f} for the best peer "
+        "(vllm-router power_of_two)",
+        f"completed {stock['completed']}/{stock['requests']} at c=4 (TTFT p50 {stock['ttft_ms']['median']:.1f} ms, "
+        f"TPOT p50 {stock['tpot_ms']['median']:.2f} ms, goodput {stock['goodput']:.2f} req/s)",
+        f"completed {runs[('conductor:disaggregated', 'c=4')]['completed']}/20 in the first run and "
+        f"{pd['c=4']['summary']['completed']}/20 in the rerun",
+        f"TTFT p50 {ttft[('conductor:disaggregated', 'c=1')]:.1f} ms, and {pd1:.1f} ms in the rerun, vs "
+        f"{ttft[('vllm-pd:cache_aware', 'c=1')]:.1f} ms",
+    ]
+    assert best[1] == "vllm:power_of_two"
+    missing = [c for c in claims if c not in readme]
+    assert not missing, f"README.md disagrees with the JSON: {missing}"

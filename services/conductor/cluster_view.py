@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import grpc
@@ -137,23 +138,29 @@ class ClusterView:
         self.kvmeta_address = address
         self.kvmeta = channel(address) if address else None
 
-    def pool(self, role: str) -> list[InstanceView]:
-        """Instances of one role, by id, except quarantined and suspect ones."""
+    def pool(self, role: str, exclude: Collection[str] = ()) -> list[InstanceView]:
+        """Instances of one role, by id, except quarantined, excluded and (while others are left) suspect ones.
+
+        A suspect is the last resort rather than no instance at all: on a starved machine a slow worker's
+        stall is usually the machine's, and refusing every request would be worse than serving it slowly
+        (the watchdog still bounds each attempt there).
+        """
         now = time.monotonic()
-        return sorted(
-            (v for v in self.instances.values() if v.role == role and self.usable(v.instance_id, now)),
+        live = sorted(
+            (
+                v
+                for v in self.instances.values()
+                if v.role == role and v.instance_id not in exclude and self._quarantine.get(v.instance_id, 0.0) <= now
+            ),
             key=lambda v: v.instance_id,
         )
+        return [v for v in live if v.instance_id not in self._suspects] or live
 
     def scheduling(self, instance_id: str, now: float) -> str:
         """How the Conductor treats the instance now: "suspect", "quarantined" or "ok"."""
         if instance_id in self._suspects:
             return "suspect"
         return "quarantined" if self._quarantine.get(instance_id, 0.0) > now else "ok"
-
-    def usable(self, instance_id: str, now: float) -> bool:
-        """Neither quarantined nor suspect."""
-        return self._quarantine.get(instance_id, 0.0) <= now and instance_id not in self._suspects
 
     def suspect(self, instance_id: str) -> None:
         """An instance stalled a request: no new work until its engine shows progress (``watch_suspects``)."""

@@ -302,10 +302,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 metrics.RETRIES.labels(job.path).inc()
 
     def _pool(self, role: str, job: Job) -> list[InstanceView]:
-        pool = [v for v in self.view.pool(role) if v.instance_id not in job.failed]
+        pool = self.view.pool(role, exclude=job.failed)
         if not pool and job.failed:  # a retry with nowhere left to go: the failure, not a capacity rejection
             raise RpcError(UNAVAILABLE, f"no {role} instance left after {', '.join(sorted(job.failed))} failed")
-        if not pool:  # every one of them is suspect or quarantined
+        if not pool:  # every one of them is quarantined
             raise RpcError(UNAVAILABLE, f"no {role} instance is available now")
         return pool
 

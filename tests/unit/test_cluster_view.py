@@ -1,0 +1,47 @@
+"""The Conductor's pools: quarantined and excluded instances are out, suspects only as the last resort."""
+
+from scheduler.cost_model import DecodeModel, PrefillModel
+from services.common.instance_record import CostModels, KVShape, WorkerRecord
+from services.common.registry import InstanceEvent
+from services.conductor.cluster_view import ClusterView
+
+
+def _view(*instance_ids):
+    view = ClusterView()
+    for port, instance_id in enumerate(instance_ids, 1):
+        role = instance_id.split("-")[0]
+        record = WorkerRecord(
+            role=role, instance_id=instance_id, address=f"127.0.0.1:{port}", block_size=16, num_blocks=64,
+            kv_layout=KVShape(1, 1, 1, "float32", 1),
+            cost_model=CostModels(PrefillModel(1e-3, 1e-5, 0.0), DecodeModel(1e-3, 1e-5, 0.0)),
+        )  # fmt: skip
+        view._apply(InstanceEvent("put", role, instance_id, record))
+    return view
+
+
+def _ids(pool):
+    return [v.instance_id for v in pool]
+
+
+async def test_a_suspect_gets_no_work_while_another_instance_of_its_role_is_usable():
+    view = _view("decode-0", "decode-1", "prefill-0")
+    view.suspect("decode-0")
+    assert _ids(view.pool("decode")) == ["decode-1"]
+    assert _ids(view.pool("prefill")) == ["prefill-0"]
+
+
+async def test_the_last_usable_instances_of_a_role_serve_even_when_suspect():
+    view = _view("decode-0", "decode-1")
+    view.suspect("decode-0")
+    view.quarantine("decode-1", 60)
+    assert _ids(view.pool("decode")) == ["decode-0"]  # slowly rather than not at all
+    assert view.can_serve() is False  # no prefill instance at all
+    view.suspect("decode-1")
+    assert _ids(view.pool("decode")) == ["decode-0"]  # quarantine is still honoured
+
+
+async def test_excluded_instances_are_out_even_when_the_rest_are_suspect():
+    view = _view("prefill-0", "prefill-1")
+    view.suspect("prefill-1")
+    assert _ids(view.pool("prefill", exclude={"prefill-0"})) == ["prefill-1"]
+    assert _ids(view.pool("prefill", exclude={"prefill-0", "prefill-1"})) == []

@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/kvconductor/v1/*.proto)
 PROTO_STAMP := protos/kvconductor/v1/.generated
 CONFIG ?= deploy/config.toml
-TE_LIBS := libibverbs1 librdmacm1 libnuma1
+# the Mooncake Transfer Engine's libraries; OpenSSL's headers and a C compiler for engine/_block_hash.c
+DEB_PACKAGES := libibverbs1 librdmacm1 libnuma1 libssl-dev gcc
 FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
 
@@ -18,13 +19,14 @@ help: ## List the targets
 
 install: $(STAMP) protos ## Create .venv, install Debian libs (as root) and all Python packages
 
-$(STAMP): pyproject.toml
-	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 || ! ldconfig -p | grep -q libnuma.so.1; then \
+$(STAMP): pyproject.toml engine/_block_hash.c
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 || ! ldconfig -p | grep -q libnuma.so.1 \
+	    || ! test -f /usr/include/openssl/sha.h || ! command -v gcc >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing Debian packages for the Mooncake Transfer Engine: $(TE_LIBS)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TE_LIBS) >/dev/null; \
+	    echo "installing Debian packages: $(DEB_PACKAGES)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES) >/dev/null; \
 	  else \
-	    echo "error: the Mooncake Transfer Engine needs: sudo apt-get install -y $(TE_LIBS)"; exit 1; \
+	    echo "error: kvconductor needs: sudo apt-get install -y $(DEB_PACKAGES)"; exit 1; \
 	  fi; \
 	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,5 +73,5 @@ all: lint typecheck test ## Lint, type-check and test
 
 clean: ## Remove the venv, generated code, run directories and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis runs build *.egg-info
-	rm -f protos/kvconductor/v1/*_pb2*.py protos/kvconductor/v1/*_pb2*.pyi $(PROTO_STAMP)
+	rm -f protos/kvconductor/v1/*_pb2*.py protos/kvconductor/v1/*_pb2*.pyi $(PROTO_STAMP) engine/_block_hash*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -15,6 +15,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from engine._block_hash import chain
+
 BLOCK_HASH_SEED = b"kvconductor/block-hash/v1"
 """Fixed seed: changing it invalidates every published hash."""
 
@@ -33,20 +35,14 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Return the chained hashes of every full block of ``token_ids`` (a partial tail is skipped)."""
+    """Return the chained hashes of every full block of ``token_ids`` (a partial tail is skipped).
+
+    The same hashes as ``hash_block`` block after block, computed in C (``engine/_block_hash.c``): the
+    Conductor hashes every prompt, so this is on the request path.
+    """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    num_full = len(token_ids) // block_size * block_size
-    if num_full == 0:
-        return []
-    if min(token_ids[:num_full]) < 0 or max(token_ids[:num_full]) > _MAX_TOKEN_ID:
-        raise ValueError("token_ids must all fit in an unsigned 32-bit integer")
-    # Pack once and hash slices: the Conductor hashes every prompt, so this is on the request path.
-    payload = struct.pack(f"<{num_full}I", *token_ids[:num_full])
-    step = 4 * block_size
-    hashes: list[bytes] = []
-    parent = _ROOT
-    for start in range(0, len(payload), step):
-        parent = hashlib.sha256(parent + payload[start : start + step]).digest()
-        hashes.append(parent)
-    return hashes
+    try:
+        return chain(token_ids, block_size, _ROOT)
+    except TypeError:
+        raise ValueError("token_ids must all be integers") from None

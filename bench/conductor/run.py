@@ -5,7 +5,7 @@ on every instance (plus unrelated blocks), the decode pool has 8 instances with 
 decision is timed in three stages: chained block hashes of the prompt, ``KVIndex.match_prefix``, and
 ``ConductorPolicy.schedule`` over every candidate. The gRPC hop to kvmeta is not included.
 
-    .venv/bin/python -m bench.conductor.run [--instances 8 64 256] [--tokens 1024 8192 32768] [--json FILE]
+    .venv/bin/python -m bench.conductor.run [--instances 8 64 256] [--tokens 1024 8192 32768 100000] [--json FILE]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the cases and print a table (and JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256], help="prefill instance counts")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768], help="prompt lengths")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768, 100_000], help="prompt lengths")
     parser.add_argument("--repeats", type=int, default=200, help="decisions timed per case (default 200)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
 import hashlib
+import random
 import struct
 import subprocess
 import sys
@@ -54,3 +55,22 @@ def test_invalid_inputs() -> None:
         hash_block(b"short", [1])
     with pytest.raises(ValueError, match="block_size"):
         prefix_block_hashes([1], 0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 33])
+def test_the_native_chain_equals_hash_block_block_after_block(block_size: int) -> None:
+    rng = random.Random(block_size)
+    tokens = [rng.choice([0, 1, 2**31, 2**32 - 1, rng.randrange(2**32)]) for _ in range(700)]
+    expected, parent = [], None
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        parent = hash_block(parent, tokens[start : start + block_size])
+        expected.append(parent)
+    assert prefix_block_hashes(tokens, block_size) == expected
+    assert prefix_block_hashes(tuple(tokens), block_size) == expected
+
+
+@pytest.mark.parametrize(("tokens", "message"), [([-1] * 4, "unsigned 32-bit"), ([2**32] * 4, "unsigned 32-bit"),
+                                                 ([1.0] * 4, "integers"), (["1"] * 4, "integers")])  # fmt: skip
+def test_the_native_chain_refuses_what_hash_block_refuses(tokens: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        prefix_block_hashes(tokens, 4)

@@ -1,6 +1,7 @@
 """Algorithm 1, admission and the baselines on scripted cluster states."""
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -204,6 +205,37 @@ def test_kv_index_prefix_match_gaps_and_drops():
     assert index.drop_instance("p1") == 2
     assert index.match_prefix(h).prefix_blocks == {"p0": 1}
     assert index.apply("p9", 5, [h[0]], []) is True  # unknown instance: resync
+
+
+def test_kv_index_matches_a_brute_force_reference_through_random_events():
+    rng = random.Random(5)
+    h = [bytes([i]) * 32 for i in range(40)]
+    index, held = KVIndex(), {f"p{i}": set() for i in range(6)}
+    seq = dict.fromkeys(held, 1)
+    for instance in held:
+        index.apply(instance, 1, [], [], full=True)
+    for _ in range(400):
+        instance = rng.choice(sorted(held))
+        if rng.random() < 0.05:  # a lease lost, then a resync with a fresh inventory
+            index.drop_instance(instance)
+            held[instance] = set(rng.sample(h, rng.randrange(10)))
+            seq[instance] = 1
+            index.apply(instance, 1, held[instance], [], full=True)
+        else:
+            stored = h[: rng.randrange(len(h))] if rng.random() < 0.5 else rng.sample(h, 3)
+            removed = rng.sample(h, rng.randrange(4))
+            seq[instance] += 1
+            assert index.apply(instance, seq[instance], stored, removed) is False
+            held[instance] = (held[instance] - set(removed)) | set(stored)
+        prompt = h[: rng.randrange(1, len(h))]
+        wanted = rng.sample(sorted(held), rng.randrange(3))
+        expected = {}
+        for name in wanted or held:
+            n = next((i for i, b in enumerate(prompt) if b not in held[name]), len(prompt))
+            if n:
+                expected[name] = n
+        assert index.match_prefix(prompt, wanted).prefix_blocks == expected
+        assert all(index.num_blocks(name) == len(blocks) for name, blocks in held.items())
 
 
 def test_kv_streaming_leaves_only_the_last_chunk_to_send_after_token_0():

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def chain(token_ids: Sequence[int], block_size: int, root: bytes, /) -> list[bytes]: ...

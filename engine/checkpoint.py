@@ -102,13 +102,19 @@ def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor
     return weights
 
 
-def load_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config.json and every ``*.safetensors`` file (sharded checkpoints too) of a model folder."""
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read a model folder's config.json (no weights)."""
     folder = Path(model_dir)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    config = ModelConfig.from_hf_config(json.loads(config_path.read_text()), name=folder.name)
+    return ModelConfig.from_hf_config(json.loads(config_path.read_text()), name=folder.name)
+
+
+def load_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config.json and every ``*.safetensors`` file (sharded checkpoints too) of a model folder."""
+    folder = Path(model_dir)
+    config = load_model_config(folder)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import load_checkpoint, load_model_config
+from engine.emulated_runner import EmulatedRunner, Emulation
 from engine.kv_pool import KVPool
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -66,22 +67,30 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         dtype: str = "float32",
         kv_cache_dtype: str = "auto",
+        emulation: Emulation | None = None,
     ) -> None:
         """Load the checkpoint; size the pool by ``num_blocks``, else ``kv_cache_bytes``, else 512 MiB.
 
         ``kv_cache_dtype`` is "auto" (KV in the model ``dtype``) or "fp8" (float8 e4m3: a quarter of
-        float32's KV bytes, half of bfloat16's).
+        float32's KV bytes, half of bfloat16's). With ``emulation`` only the folder's config.json is read
+        (vocabulary, special tokens): the forward pass is a wait from its profile (``engine.emulated_runner``).
         """
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        kv_dtype = _KV_CACHE_DTYPES[kv_cache_dtype] or _DTYPES[dtype]
         if num_blocks is None and kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
-        self.config, state = load_checkpoint(model_dir)
-        model = CausalLM.from_state_dict(self.config, state, _DTYPES[dtype])
-        self.kv_pool = KVPool(self.config, block_size, kv_dtype, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes)
+        size = {"num_blocks": num_blocks, "kv_cache_bytes": kv_cache_bytes}
+        self.runner: ModelRunner | EmulatedRunner
+        if emulation is None:
+            self.config, state = load_checkpoint(model_dir)
+            self.kv_pool = KVPool(self.config, block_size, _KV_CACHE_DTYPES[kv_cache_dtype] or _DTYPES[dtype], **size)
+            self.runner = ModelRunner(CausalLM.from_state_dict(self.config, state, _DTYPES[dtype]), self.kv_pool)
+        else:
+            self.config = emulation.model_config(load_model_config(model_dir))
+            self.kv_pool = KVPool(self.config, block_size, torch.uint8, **size)
+            self.runner = EmulatedRunner(self.kv_pool, self.config, emulation)
         self.block_manager = BlockManager(self.kv_pool.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -97,7 +106,6 @@ class LLMEngine:
         # (new tokens, tokens already computed) of each sequence in the last step: what a worker needs to
         # refine its cost models from the steps it times.
         self.last_step: tuple[tuple[int, int], ...] = ()
-        self.runner = ModelRunner(model, self.kv_pool)
         self._reserved: dict[str, list[int]] = {}
 
     @property

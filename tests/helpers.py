@@ -120,6 +120,33 @@ def kvmeta_matches(cluster, block_hashes):
     raise RuntimeError("no kvmeta answers")
 
 
+def wait_indexed(cluster, prefix, holder, block_size=16, timeout=60):
+    """Poll kvmeta until ``holder`` is indexed with every full block of ``prefix`` (KV events lag the steps)."""
+    from engine.block_hash import prefix_block_hashes
+
+    hashes, deadline = prefix_block_hashes(prefix, block_size), time.monotonic() + timeout
+    while kvmeta_matches(cluster, hashes).get(holder, 0) < len(hashes):
+        assert time.monotonic() < deadline, f"kvmeta never indexed the prefix on {holder}"
+        time.sleep(0.1)
+
+
+def prefill_booked_on(cluster, pending, timeout=60):
+    """The prefill worker on which the Conductor books the ``pending`` request's prefill (None: it ended first).
+
+    Polls the Conductor's own queue estimate (T_queue), which is what the next request's Algorithm 1 sees.
+    """
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(cluster.conductor) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        while not pending.done() and time.monotonic() < deadline:
+            status = stub.GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
+            booked = [i.instance_id for i in status.instances if i.role == "prefill" and i.t_queue_ms > 0]
+            if booked:
+                return booked[0]
+            time.sleep(0.02)
+    return None
+
+
 def reference_tokens(model_dir, prompts, max_tokens=MAX_TOKENS):
     """Greedy output of the engine in this process, for comparison with a cluster's."""
     from engine.llm_engine import LLMEngine, generate

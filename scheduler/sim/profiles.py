@@ -158,3 +158,12 @@ def analytic_gpu(spec: GpuSpec | None = None) -> Profile:
 
 
 PROFILES = {"analytic-gpu": analytic_gpu, "measured-cpu": measured_cpu}
+
+
+def named_profile(spec: str) -> Profile:
+    """A built-in profile by name (``PROFILES``), else a JSON file whose missing keys come from analytic-gpu."""
+    if spec in PROFILES:
+        return PROFILES[spec]()
+    if not Path(spec).is_file():
+        raise ValueError(f"no profile {spec!r}: give one of {', '.join(PROFILES)} or a JSON file")
+    return load_profile(spec, analytic_gpu())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.policy import EARLY_REJECTION, POLICIES, PolicyConfig
+from scheduler.sim.profiles import named_profile
 
 
 class ConfigError(ValueError):
@@ -108,7 +109,7 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16"), "[model] dtype", 'must be "float32" or "bfloat16"')
 
 
-ENGINE_BACKENDS = ("builtin", "vllm")
+ENGINE_BACKENDS = ("builtin", "vllm", "emulated")
 
 
 @dataclass
@@ -116,12 +117,36 @@ class EngineConfig:
     """``[engine]``: the engine every worker of the cluster runs (one backend per cluster)."""
 
     # "builtin": the paged torch engine of this repository; "vllm": vLLM (AsyncLLM in the worker process, its
-    # EngineCore in a child), prompt KV moved by vLLM's MooncakeConnector, KV events from vLLM's cache
+    # EngineCore in a child), prompt KV moved by vLLM's MooncakeConnector, KV events from vLLM's cache;
+    # "emulated": the built-in engine with its forward pass replaced by a wait from [emulation] profile
     backend: str = "builtin"
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
-        _check(self.backend in ENGINE_BACKENDS, "[engine] backend", 'must be "builtin" or "vllm"')
+        _check(self.backend in ENGINE_BACKENDS, "[engine] backend", 'must be "builtin", "vllm" or "emulated"')
+
+
+@dataclass
+class EmulationConfig:
+    """``[emulation]``: what an emulated engine (``[engine] backend = "emulated"``) pretends to be."""
+
+    # step times: a built-in profile ("analytic-gpu": LLaMA3-70B-like on 8 x A800; "measured-cpu") or the
+    # path of a JSON profile (scheduler/sim/profiles.py: "prefill" and "decode" coefficients, e.g. measured on a GPU)
+    profile: str = "analytic-gpu"
+    time_scale: float = 1.0  # wall seconds per emulated second (2 = everything twice as slow as the profile)
+    kv_bytes_per_token: int = 64  # KV bytes each token really occupies and moves (a multiple of 16)
+    max_model_len: int = 131072  # longest request (prompt + output) in tokens
+
+    def validate(self) -> None:
+        """Raise ConfigError on a bad value."""
+        _check(bool(self.profile), "[emulation] profile", "must be a profile name or a JSON file")
+        _check(0 < self.time_scale <= 1000, "[emulation] time_scale", "must be in (0, 1000]")
+        _check(
+            self.kv_bytes_per_token > 0 and self.kv_bytes_per_token % 16 == 0,
+            "[emulation] kv_bytes_per_token",
+            "must be a positive multiple of 16",
+        )
+        _check(self.max_model_len >= 16, "[emulation] max_model_len", "must be >= 16")
 
 
 @dataclass
@@ -272,6 +297,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     colocated: WorkerConfig = field(default_factory=_colocated_default)
@@ -289,6 +315,7 @@ class Config:
         self.cluster.validate()
         self.model.validate()
         self.engine.validate()
+        self.emulation.validate()
         for name in ("prefill", "decode", "colocated"):
             getattr(self, name).validate(name)
         self.scheduler.validate()
@@ -316,6 +343,16 @@ class Config:
                 "[prefill] kv_cache_dtype",
                 'must be "auto" with [engine] backend = "vllm"',
             )
+        if self.engine.backend == "emulated":
+            _check(
+                self.prefill.kv_cache_dtype == "auto",
+                "[prefill] kv_cache_dtype",
+                'must be "auto" with [engine] backend = "emulated" (its KV is [emulation] kv_bytes_per_token bytes)',
+            )
+            try:
+                named_profile(self.emulation.profile)
+            except ValueError as e:
+                raise ConfigError(f"[emulation] profile: {e}") from None
         disaggregated = self.prefill.node_count > 0 and self.decode.node_count > 0
         _check(
             disaggregated or self.colocated.node_count > 0,

@@ -102,7 +102,7 @@ class WorkerRecord(InstanceRecord):
     max_num_batched_tokens: int = 0
     max_concurrent_requests: int = 0
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint ("" for others)
-    engine: str = "builtin"  # [engine] backend: "builtin" or "vllm"
+    engine: str = "builtin"  # [engine] backend: "builtin", "vllm" or "emulated"
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server (http://host:port)
 
     @property

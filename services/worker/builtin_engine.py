@@ -1,5 +1,8 @@
 """The built-in torch engine behind the EnginePort: it owns the engine thread and its thread-safety rules.
 
+The same adapter serves the emulated engine (``[engine] backend = "emulated"``): the built-in engine
+whose forward pass is a wait from a latency profile (``engine.emulated_runner``).
+
 Requests, aborts and KV imports run on the engine thread between steps (``EngineLoop.call``); what the
 engine guards with its own lock (reserving, pinning, allocating, load, KV events) runs at once on a
 worker thread (``EngineLoop.call_now``), so a decode reservation or a KV export never waits for a long
@@ -14,15 +17,17 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
+from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
+from scheduler.sim.profiles import named_profile
 from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_loop import EngineDied, EngineLoop, next_output
 from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
-from services.worker.profiler import profile_engine
+from services.worker.profiler import emulated_profile, profile_engine
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +204,20 @@ def _commit(e: LLMEngine, imported: ImportedBlocks) -> None:
     e.unpin_blocks(imported.targets[imported.num_copied :])
 
 
+def emulation_of(config: Config) -> Emulation:
+    """The ``[emulation]`` section as the emulated engine runs it."""
+    profile = named_profile(config.emulation.profile)
+    return Emulation(
+        profile.prefill, profile.decode, time_scale=config.emulation.time_scale,
+        kv_bytes_per_token=config.emulation.kv_bytes_per_token, max_model_len=config.emulation.max_model_len,
+    )  # fmt: skip
+
+
 def build(config: Config, role: str, pool_config: WorkerConfig) -> tuple[BuiltinEngine, CostRefiner]:
-    """Load the model, allocate the paged KV pool and profile it: the engine of one worker process."""
-    log.info("loading %s (%s) with a %d MiB KV pool", config.model.path, config.model.dtype,
-             pool_config.kv_cache_memory_mb)  # fmt: skip
+    """Load the model (emulated: its config.json only), allocate the paged KV pool and profile it."""
+    emulation = emulation_of(config) if config.engine.backend == "emulated" else None
+    log.info("loading %s (%s) with a %d MiB KV pool%s", config.model.path, config.model.dtype,
+             pool_config.kv_cache_memory_mb, "" if emulation is None else f", emulated: {emulation}")  # fmt: skip
     engine = LLMEngine(
         config.model.path,
         kv_cache_bytes=pool_config.kv_cache_bytes,
@@ -215,8 +230,9 @@ def build(config: Config, role: str, pool_config: WorkerConfig) -> tuple[Builtin
         kv_cache_dtype=pool_config.kv_cache_dtype,
         enable_prefix_caching=pool_config.enable_prefix_caching and role != "decode",
         dtype=config.model.dtype,
+        emulation=emulation,
     )
-    refiner = profile_engine(engine)
+    refiner = profile_engine(engine) if emulation is None else emulated_profile(emulation)
     engine.pop_kv_events()  # the profile's blocks are not worth announcing,
     engine.reset_prefix_cache_stats()  # nor its lookups counting in the hit rate
     port = BuiltinEngine(engine, refiner)

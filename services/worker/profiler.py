@@ -1,5 +1,8 @@
 """The start-up profile: time real prefills and decode steps on this worker, fit the cost models.
 
+An emulated engine's profile is not timed: it is what its latency profile says the emulated hardware
+would measure (``emulated_profile``), over shapes up to long contexts; its timed steps refine it online.
+
 Runs before the worker registers, so the Conductor never schedules on an instance without a fitted
 model. Prompts are random token ids from a fixed seed. Each shape is timed ``REPEATS`` times and the
 fastest run kept, and workers on one host take turns (an exclusive lock file): profiles run at the same
@@ -17,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from scheduler.cost_model import attention_work
@@ -26,6 +30,8 @@ PREFILL_SHAPES = ((16, 0), (64, 0), (256, 0), (512, 0), (128, 256), (256, 512)) 
 DECODE_SHAPES = ((1, 64), (1, 512), (4, 128), (8, 64), (8, 256))  # (batch, context per sequence)
 DECODE_STEPS = 4
 REPEATS = 3
+EMULATED_PREFILL_SHAPES = tuple((new, cached) for new in (16, 256, 2048, 8192, 32768) for cached in (0, new))
+EMULATED_DECODE_SHAPES = tuple((batch, context) for batch in (1, 8, 32, 128) for context in (256, 4096, 32768))
 LOCK_PATH = Path(tempfile.gettempdir()) / "kvconductor-profile.lock"
 log = logging.getLogger(__name__)
 
@@ -97,3 +103,12 @@ def profile_engine(engine: LLMEngine, seed: int = 0) -> CostRefiner:
             return refiner
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def emulated_profile(emulation: Emulation) -> CostRefiner:
+    """An emulated engine's start-up profile: its step times at the emulated shapes, scaled as it waits them."""
+    scale, prefill, decode = emulation.time_scale, emulation.prefill, emulation.decode
+    return CostRefiner(
+        [(n, attention_work(n, c), prefill.predict(n, c) * scale) for n, c in EMULATED_PREFILL_SHAPES],
+        [(b, b * c, decode.predict(b, b * c) * scale) for b, c in EMULATED_DECODE_SHAPES],
+    )

@@ -13,19 +13,18 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 from helpers import (
     grpc_generate,
     kill_decode_worker_mid_stream,
-    kvmeta_matches,
     launch_cluster,
+    prefill_booked_on,
     stop_cluster,
+    wait_indexed,
     worker_loads,
 )
 
-from engine.block_hash import prefix_block_hashes
-from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
+from kvconductor.v1 import conductor_pb2
 
 pytestmark = pytest.mark.vllm
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
@@ -64,44 +63,21 @@ def test_disaggregated_vllm_gives_the_tokens_of_a_single_vllm_instance(vllm_clus
         assert tokens == single and len(tokens) == 12
 
 
-def _booked_on(cluster, pending):
-    """The prefill worker on which the Conductor books the ``pending`` request's prefill (None: it ended first).
-
-    Polls the Conductor's own queue estimate (T_queue), which is what the next request's Algorithm 1 sees.
-    """
-    deadline = time.monotonic() + 60
-    with grpc.insecure_channel(cluster.conductor) as channel:
-        stub = conductor_pb2_grpc.ConductorStub(channel)
-        while not pending.done() and time.monotonic() < deadline:
-            status = stub.GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
-            booked = [i.instance_id for i in status.instances if i.role == "prefill" and i.t_queue_ms > 0]
-            if booked:
-                return booked[0]
-            time.sleep(0.02)
-    return None
-
-
-def _wait_indexed(cluster, prefix, holder):
-    """Poll kvmeta until ``holder`` is indexed with all of ``prefix``'s blocks (vLLM's events lag its steps)."""
-    hashes, deadline = prefix_block_hashes(prefix, BLOCK), time.monotonic() + 60
-    while kvmeta_matches(cluster, hashes).get(holder, 0) < len(hashes):
-        assert time.monotonic() < deadline, f"kvmeta never indexed the prefix on {holder}"
-        time.sleep(0.1)
-
-
 def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_holds_it(vllm_cluster):
     prompts = _prompts(2, 7, 900, 901)
     a = prompts[0]
     _, first, _ = grpc_generate(vllm_cluster, a + [1, 2, 3], PD)
     holder_a = first.prefill_instance
-    _wait_indexed(vllm_cluster, a, holder_a)  # else the long prompt below may not be sent to the holder of A
+    wait_indexed(vllm_cluster, a, holder_a, BLOCK)  # else the long prompt below may not be sent to the holder of A
     # Prefix B goes to the other prefill worker: it is sent while the holder of A prefills a long prompt that
     # starts with A (so Algorithm 1 puts that one on the holder). A lost race (the long prompt already done)
     # places B on the holder again: try again with a fresh B.
     for b, tail in zip(prompts[1:4], prompts[4:7], strict=True):
         with ThreadPoolExecutor(1) as pool:
             long_prompt = pool.submit(grpc_generate, vllm_cluster, a + tail * 3, PD, 2)  # about 3,600 tokens
-            assert _booked_on(vllm_cluster, long_prompt) in (holder_a, None), "the long prompt went to the other worker"
+            assert prefill_booked_on(vllm_cluster, long_prompt) in (holder_a, None), (
+                "the long prompt went to the other worker"
+            )
             _, placed, _ = grpc_generate(vllm_cluster, b, PD)
             long_decision = long_prompt.result()[1]
             assert long_decision.prefill_instance == holder_a, long_decision

@@ -13,6 +13,12 @@ def test_defaults_are_valid_and_the_deploy_config_loads():
     assert config.cluster.etcd_endpoints == []
 
 
+@pytest.mark.parametrize(("path", "backend"), [("deploy/vllm.toml", "vllm"), ("deploy/emulated.toml", "emulated")])
+def test_the_other_deploy_configs_load(path, backend):
+    config = load_config(path)
+    assert config.engine.backend == backend
+
+
 @pytest.mark.parametrize(
     ("data", "named"),
     [
@@ -31,6 +37,19 @@ def test_defaults_are_valid_and_the_deploy_config_loads():
             "kv_cache_memory_mb, which is now the KV pool's size itself",
         ),
         ({"prefill": {"min_mfu": 0.35}}, "[prefill] min_mfu: removed: it was never enforced"),
+        ({"emulation": {"kv_bytes_per_token": 24}}, "[emulation] kv_bytes_per_token: must be a positive multiple"),
+        (
+            {"engine": {"backend": "emulated"}, "emulation": {"profile": "h100.json"}},
+            "[emulation] profile: no profile 'h100.json'",
+        ),
+        (
+            {
+                "engine": {"backend": "emulated"},
+                "prefill": {"kv_cache_dtype": "fp8"},
+                "decode": {"kv_cache_dtype": "fp8"},
+            },
+            '[prefill] kv_cache_dtype: must be "auto" with [engine] backend = "emulated"',
+        ),
     ],
 )
 def test_bad_values_name_the_key(data, named):

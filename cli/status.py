@@ -115,12 +115,16 @@ def print_decision(config: Config, request_id: str) -> int:
         print(f"  measured: TTFT {o.ttft_ms:.1f} ms, TBT {o.tbt_ms:.1f} ms, prefill {o.prefill_ms:.1f} ms, "
               f"KV send {o.kv_send_ms:.1f} ms ({o.kv_send_exposed_ms:.1f} ms after token 0), "
               f"cached {o.cached_tokens} tokens{copied}")  # fmt: skip
-    header = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send", "TTFT (ms)")
+    header: tuple[str, ...] = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send",
+                               "TTFT (ms)")  # fmt: skip
+    shared = any(c.t_shared_ms for c in d.candidates)  # colocated: the decode time each would share
     rows = [
         (c.instance_id, str(c.prefix_len), c.copy_from or "-", f"{c.t_queue_ms:.1f}", f"{c.t_transfer_ms:.1f}",
          f"{c.t_prefill_ms:.1f}", f"{c.t_send_ms:.1f}", f"{c.predicted_ttft_ms:.1f}")
+        + ((f"{c.t_shared_ms:.1f}",) if shared else ())
         for c in d.candidates
     ]  # fmt: skip
+    header += ("shared (ms)",) if shared else ()
     if rows:
         _table([header, *rows])
     return 0

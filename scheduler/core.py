@@ -57,12 +57,14 @@ class ConductorCore:
         p: InstanceState, d: InstanceState,
     ) -> None:  # fmt: skip
         """Book the request's prefill work on p and its decode footprint (blocks, batch slot) on d."""
-        expected_tokens = max_tokens
-        if self.mean_output_tokens:
-            expected_tokens = min(expected_tokens, round(self.mean_output_tokens))
+        expected_tokens = self.expected_output_tokens(max_tokens)
         n, e = shape.num_prompt_tokens, plan.prefill
         p.prefilling.add(request_id, Booking(now, e.t_prefill, n, 0, new_tokens=n - e.prefix_len))
         d.decoding.add(request_id, Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt))
+
+    def expected_output_tokens(self, max_tokens: int) -> int:
+        """Completion tokens a request allowed ``max_tokens`` is expected to produce (the moving average, capped)."""
+        return min(max_tokens, round(self.mean_output_tokens)) if self.mean_output_tokens else max_tokens
 
     @staticmethod
     def prefill_done(p: InstanceState, request_id: Hashable, now: float) -> None:

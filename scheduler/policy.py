@@ -109,6 +109,7 @@ class RequestShape:
     num_blocks: int  # KV blocks the decode instance must reserve (prompt + max_tokens)
     block_size: int
     bytes_per_block: int
+    output_tokens: int = 0  # completion tokens expected (0: unknown; the colocated cost then counts prefill only)
 
     def usable_prefix(self, prefix_len: int) -> int:
         """Reusable cached tokens: whole blocks, leaving the last prompt token to compute."""
@@ -153,11 +154,19 @@ class PrefillEstimate:
     t_send: float  # prompt KV to the decode instance
     copy_from: str = ""  # best holder to copy from; empty = no copy
     copy_tokens: int = 0  # tokens of KV copied (best_len - own prefix)
+    # Colocated only: the request's decode time there plus the delay it imposes on the requests decoding
+    # there (its prompt's chunks stall their steps; its place in the batch lengthens every later step).
+    t_shared: float = 0.0
 
     @property
     def ttft(self) -> float:
         """Predicted time to first token."""
         return self.t_queue + self.t_transfer + self.t_prefill + self.t_send
+
+    @property
+    def cost(self) -> float:
+        """What Algorithm 1 minimises: the TTFT, plus on a colocated instance ``t_shared``."""
+        return self.ttft + self.t_shared
 
 
 @dataclass(frozen=True)
@@ -232,6 +241,12 @@ class ConductorPolicy:
         best_len = request.usable_prefix(best.prefix_len)
         can_copy = links is not None and self.rule.copies and best.exports_kv
         estimates = tuple(self._estimate(p, best if can_copy else None, request, links) for p in prefills)
+        if colocated:
+            on = {d.instance_id: d for d in decodes}
+            estimates = tuple(
+                replace(e, t_shared=shared_delay(e, p, on[e.instance_id], request))
+                for e, p in zip(estimates, prefills, strict=True)
+            )
         chosen = self.rule.choose(estimates, prefills, request)
         at = chosen.ttft if self.config.early_rejection == "prediction" else 0.0
         decode = select_decode([d for d in decodes if d.instance_id == chosen.instance_id] if colocated else decodes,
@@ -286,7 +301,10 @@ class ConductorPolicy:
 
     def _explain(self, plan: Plan) -> str:
         e = plan.prefill
-        others = ", ".join(f"{c.instance_id}={c.ttft * 1e3:.0f}ms" for c in plan.candidates)
+        others = ", ".join(
+            f"{c.instance_id}={c.ttft * 1e3:.0f}ms" + (f"+{c.t_shared * 1e3:.0f}ms shared" if c.t_shared else "")
+            for c in plan.candidates
+        )
         how = f"copies {e.copy_tokens} tokens of KV from {e.copy_from}" if e.copy_from else "computes locally"
         rule = f"{self.rule.explanation} ({others})"
         when = "when its prefill ends" if self.config.early_rejection == "prediction" else "now"
@@ -306,6 +324,26 @@ def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at:
         if best is None or tbt < best[1]:
             best = (d.instance_id, tbt)
     return best
+
+
+def shared_delay(e: PrefillEstimate, p: PrefillCandidate, d: DecodeCandidate, request: RequestShape) -> float:
+    """A request's cost on a colocated instance beyond its TTFT: its own decode time plus the delay to others.
+
+    Each request decoding there when the prompt runs waits for the prompt's compute (its chunks share the
+    steps); for the request's ``output_tokens`` steps in the batch, it takes its own step time and adds
+    the step-time increase it causes to every other request in the batch. Summed, the choice minimises
+    the latency added to everyone on the instance, so a prefix holder busy decoding loses to an idle
+    instance once the requests it would slow cost more than the prefix saves.
+    """
+    n, start = request.num_prompt_tokens, e.ttft
+    stalled = sum(1 for r in d.residents if r.t_join <= e.t_queue < r.t_leave)
+    delay = stalled * p.model.predict(n - e.prefix_len, e.prefix_len)
+    if request.output_tokens <= 0:
+        return delay
+    batch = [r for r in d.residents if r.t_join <= start < r.t_leave]
+    context = sum(r.context for r in batch)
+    before, after = d.model.predict(len(batch), context), d.model.predict(len(batch) + 1, context + n)
+    return delay + request.output_tokens * (after + len(batch) * (after - before))
 
 
 def _solo(

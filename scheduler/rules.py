@@ -5,7 +5,9 @@ T_send) and candidates (``PrefillCandidate``: prefix_len, in-flight load) and re
 decode choice and SLO admission around it are the policy's, the same for every rule. Only Algorithm 1
 plans KV copies (``copies``). Selectable live and in the simulator by ``[scheduler] policy``.
 
-- ``kvcache_centric``: least predicted TTFT (Mooncake FAST'25, Algorithm 1).
+- ``kvcache_centric``: least predicted TTFT (Mooncake FAST'25, Algorithm 1); on colocated instances the
+  cost adds the request's decode time there and the delay it imposes on the requests decoding there
+  (``policy.shared_delay``).
 - ``round_robin``, ``random``, ``least_loaded`` (least T_queue), ``cache_aware`` (longest prefix, then T_queue).
 - ``dynamo`` (NVIDIA Dynamo's KV router): ``cost = prefill_load_scale * max(prefill_blocks - overlap, 0)``,
   lowest wins, ties at random. ``prefill_blocks`` is the request's prompt blocks plus the blocks still to
@@ -42,15 +44,15 @@ class PrefillRule(Protocol):
 
 
 class KvCacheCentric:
-    """Least predicted TTFT; ties to the longer prefix, then the instance id."""
+    """Least predicted TTFT (colocated: plus the decode time shared there); ties to the longer prefix, then the id."""
 
     copies = True
-    explanation = "least predicted TTFT"
+    explanation = "least predicted TTFT (colocated: plus the decode time it adds there)"
 
     def choose(  # noqa: D102
         self, estimates: Sequence[PrefillEstimate], candidates: Sequence[PrefillCandidate], request: RequestShape
     ) -> PrefillEstimate:
-        return min(estimates, key=lambda e: (e.ttft, -e.prefix_len, e.instance_id))
+        return min(estimates, key=lambda e: (e.cost, -e.prefix_len, e.instance_id))
 
 
 class RoundRobin:

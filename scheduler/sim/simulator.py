@@ -166,7 +166,10 @@ class Simulator:
         for d in self.decodes:
             d.advance_to(now)
         n, bs = request.num_prompt_tokens, self.config.block_size
-        shape = RequestShape(n, request_blocks(n, request.num_output_tokens, bs), bs, self.profile.bytes_per_block(bs))
+        shape = RequestShape(
+            n, request_blocks(n, request.num_output_tokens, bs), bs, self.profile.bytes_per_block(bs),
+            output_tokens=self.core.expected_output_tokens(request.num_output_tokens),
+        )  # fmt: skip
         outcome = self._decide(now, request, shape)
         if isinstance(outcome, Rejection):
             record.rejection = _rejection_kind(outcome.reason)

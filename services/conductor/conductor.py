@@ -249,14 +249,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.decisions.record(job.decision)
         return outcome
 
-    @staticmethod
-    def _shape(job: Job, record: WorkerRecord) -> RequestShape:
-        block_size = record.block_size
+    def _shape(self, job: Job, record: WorkerRecord) -> RequestShape:
+        block_size, max_tokens = record.block_size, job.attempt_sampling.max_tokens
         return RequestShape(
             num_prompt_tokens=len(job.tokens),
-            num_blocks=request_blocks(len(job.tokens), job.attempt_sampling.max_tokens, block_size),
+            num_blocks=request_blocks(len(job.tokens), max_tokens, block_size),
             block_size=block_size,
             bytes_per_block=record.kv_layout.bytes_per_block,
+            output_tokens=self.core.expected_output_tokens(max_tokens),
         )
 
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:

@@ -18,7 +18,8 @@ from scheduler.policy import Plan, PrefillEstimate, Rejection
 
 def _estimate(e: PrefillEstimate) -> dict[str, Any]:
     """The fields a decision shares with each of its candidates: the prefix and the TTFT terms, in ms."""
-    times = {"t_queue_ms": e.t_queue, "t_transfer_ms": e.t_transfer, "t_prefill_ms": e.t_prefill, "t_send_ms": e.t_send}
+    times = {"t_queue_ms": e.t_queue, "t_transfer_ms": e.t_transfer, "t_prefill_ms": e.t_prefill, "t_send_ms": e.t_send,
+             "t_shared_ms": e.t_shared}  # fmt: skip
     return {"prefix_len": e.prefix_len, "copy_from": e.copy_from} | {k: v * 1e3 for k, v in times.items()}
 
 

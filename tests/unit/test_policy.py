@@ -334,3 +334,26 @@ def test_every_policy_is_a_valid_scheduler_setting():
     assert {"dynamo", "sglang", "kvcache_centric"} <= set(POLICIES)
     for name in POLICIES:
         assert load_config(None, [f'scheduler.policy="{name}"']).scheduler.policy == name
+
+
+def test_colocated_choice_counts_the_decode_time_a_prompt_shares_with_the_holders_batch():
+    """A prefix holder decoding 12 requests loses to an idle instance once the slowdown it spreads costs more."""
+    busy = [Resident(-1.0, 30.0, 600) for _ in range(12)]
+    holder = PrefillCandidate("holder", 3000, 0.0, PREFILL, step_tokens=4096)
+    idle = PrefillCandidate("idle", 0, 0.0, PREFILL, step_tokens=4096)
+    request = replace(shape(3400), output_tokens=64)
+
+    def chosen(residents, request):
+        plan = policy().schedule([holder, idle], [decode("holder", residents), decode("idle")], request, SLO,
+                                 colocated=True)  # fmt: skip
+        assert isinstance(plan, Plan)
+        return plan
+
+    plan = chosen(busy, request)
+    assert plan.prefill.instance_id == plan.decode_instance == "idle"
+    on_holder = next(c for c in plan.candidates if c.instance_id == "holder")
+    before, after = DECODE.predict(12, 12 * 600), DECODE.predict(13, 12 * 600 + 3400)
+    assert on_holder.t_shared == pytest.approx(12 * PREFILL.predict(400, 3000) + 64 * (after + 12 * (after - before)))
+    assert on_holder.ttft < plan.prefill.ttft  # the holder alone would have the lower TTFT
+    assert chosen(busy[:1], request).prefill.instance_id == "holder"  # a small batch: the prefix wins
+    assert chosen((), request).prefill.instance_id == "holder"

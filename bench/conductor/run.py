@@ -6,6 +6,9 @@ decision is timed in three stages: chained block hashes of the prompt, ``KVIndex
 ``ConductorPolicy.schedule`` over every candidate. The gRPC hop to kvmeta is not included.
 
     .venv/bin/python -m bench.conductor.run [--instances 8 64 256] [--tokens 1024 8192 32768 100000] [--json FILE]
+
+``--json`` writes the rows with the code they ran and the command (``bench/results/conductor/`` holds the
+committed run).
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
+from bench.provenance import git_state
 from engine.block_hash import prefix_block_hashes
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.kv_index import KVIndex
@@ -71,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instances", type=int, nargs="+", default=[8, 64, 256], help="prefill instance counts")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768, 100_000], help="prompt lengths")
     parser.add_argument("--repeats", type=int, default=200, help="decisions timed per case (default 200)")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--json", help="also write the rows (with the code and the command) to this JSON file")
     args = parser.parse_args(argv)
+    code = git_state()  # before anything runs: the code this run measures
     rng = random.Random(0)
     rows = []
     cases = [(i, t) for i in args.instances for t in args.tokens]
@@ -88,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['instances']:>9} {r['tokens']:>7} | {cells[0]:>14} | {cells[1]:>14} | {cells[2]:>16} | {cells[3]:>18}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        command = "python -m bench.conductor.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+        record = {"kind": "conductor", "code": code, "command": command.strip(), "rows": rows}
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

@@ -37,6 +37,13 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tbt", type=float, default=0.3, help="TBT SLO used for admission, s")
     parser.add_argument("--threshold", type=float, default=1.2, help="kv_cache_balancing_threshold")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prediction-error",
+        type=float,
+        default=0.0,
+        metavar="SIGMA",
+        help="cost-model error: every job and decode step runs exp(N(0, SIGMA)) x the predicted time (default 0)",
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
     parser.add_argument(
         "--out",

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             early_rejection=mode,
             kv_cache_balancing_threshold=args.threshold,
             seed=args.seed,
+            prediction_error=args.prediction_error,
         )
         for mode in MODES
     ]

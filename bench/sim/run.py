@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             reject=args.reject,
             kv_cache_balancing_threshold=args.threshold,
             seed=args.seed,
+            prediction_error=args.prediction_error,
         )
         for p in policies
     ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from scheduler.core import ConductorCore
 from scheduler.instance import InstanceState
 from scheduler.sim.metrics import RequestRecord
-from scheduler.sim.prefill_instance import PrefillJob, chunked_prefill_s
+from scheduler.sim.prefill_instance import Noise, PrefillJob, chunked_prefill_s
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile
 
@@ -52,12 +52,14 @@ class DecodeInstance:
         on_finish: Finished,
         core: ConductorCore,
         cache: PrefixCache | None = None,
+        noise: Noise = lambda: 1.0,
     ) -> None:
         self.instance_id = instance_id
         self.profile = profile
         self.model = profile.decode
         self.capacity_blocks = profile.decode_kv_tokens // block_size
         self.block_size = block_size
+        self.noise = noise  # each iteration's actual/predicted duration (cost-model error)
         self.core = core  # the simulator's Conductor core, told when a colocated prefill ends
         role = "decode" if cache is None else "colocated"
         self.state = InstanceState(
@@ -122,7 +124,7 @@ class DecodeInstance:
         self._step_decodes = self.batch > 0
         if self._step_decodes:
             duration += self.model.predict(self.batch, self.context)
-        self._step_end = start + duration
+        self._step_end = start + duration * self.noise()
 
     def _chunk_time(self, start: float) -> float:
         if self._chunking is None and self.prefill_queue and self.prefill_queue[0].submitted <= start:

@@ -11,6 +11,7 @@ is the hot-spot replication of Algorithm 1) and its KV leaves for the decode ins
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.core import ConductorCore
@@ -21,6 +22,8 @@ from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile
 from scheduler.sim.trace import TraceRequest
+
+Noise = Callable[[], float]  # actual / predicted duration of the next job or iteration
 
 
 def chunked_prefill_s(model: PrefillModel, new_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
@@ -62,9 +65,16 @@ class PrefillInstance:
     """FIFO prefill worker; the simulator schedules an event at each job's end."""
 
     def __init__(
-        self, instance_id: str, profile: Profile, block_size: int, cache: PrefixCache, core: ConductorCore
+        self,
+        instance_id: str,
+        profile: Profile,
+        block_size: int,
+        cache: PrefixCache,
+        core: ConductorCore,
+        noise: Noise = lambda: 1.0,
     ) -> None:
         self.instance_id = instance_id
+        self.noise = noise  # each job's actual/predicted duration (cost-model error)
         self.profile = profile
         self.block_size = block_size
         self.cache = cache
@@ -97,8 +107,9 @@ class PrefillInstance:
         self.running = job
         prefix = job.start(self.cache, self.block_size, now)
         n = job.shape.num_prompt_tokens
-        duration = self.profile.link.predict(job.record.copy_bytes) + chunked_prefill_s(
-            self.profile.prefill, n - prefix, prefix, self.profile.chunk_tokens
+        duration = self.noise() * (
+            self.profile.link.predict(job.record.copy_bytes)
+            + chunked_prefill_s(self.profile.prefill, n - prefix, prefix, self.profile.chunk_tokens)
         )
         self.busy_s += duration
         return now + duration

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from scheduler.kv_index import KVIndex
 from scheduler.policy import POLICIES, ConductorPolicy, Plan, PolicyConfig, Rejection, RequestShape, Slo
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
-from scheduler.sim.prefill_instance import PrefillInstance, PrefillJob
+from scheduler.sim.prefill_instance import Noise, PrefillInstance, PrefillJob
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile
 from scheduler.sim.trace import TraceRequest
@@ -52,12 +53,25 @@ class SimConfig:
     compare_copy_with_recompute: bool = True
     seed: int = 0
     sample_interval: float = 10.0
+    # Cost-model error: every prefill job and decode iteration runs exp(N(0, sigma)) times as long as the
+    # profile (which the policy still predicts with), so the ranking no longer rests on perfect predictions.
+    # 0 = perfect; live median relative errors of 5-20% correspond to sigma of about 0.07-0.3.
+    prediction_error: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SIM_POLICIES)}, got {self.policy!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("num_prefill and num_decode must be at least 1")
+        if self.prediction_error < 0:
+            raise ValueError("prediction_error must be >= 0")
+
+    def noise(self, stream: int) -> Noise:
+        """Factors for one instance's durations (seeded per instance; always 1.0 without prediction error)."""
+        if self.prediction_error == 0:
+            return lambda: 1.0
+        rng, sigma = random.Random(self.seed * 1_000_003 + stream), self.prediction_error
+        return lambda: math.exp(rng.gauss(0.0, sigma))
 
     @property
     def colocated(self) -> bool:
@@ -112,16 +126,27 @@ class Simulator:
         if cfg.colocated:
             self.decodes = [
                 DecodeInstance(
-                    f"c{i}", prof, bs, self._finished, self.core, PrefixCache(f"c{i}", cache_blocks, self.index)
-                )
+                    f"c{i}",
+                    prof,
+                    bs,
+                    self._finished,
+                    self.core,
+                    PrefixCache(f"c{i}", cache_blocks, self.index),
+                    noise=cfg.noise(i),
+                )  # fmt: skip
                 for i in range(cfg.num_prefill + cfg.num_decode)
             ]
         else:
             self.prefills = [
-                PrefillInstance(f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index), self.core)
+                PrefillInstance(
+                    f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index), self.core, noise=cfg.noise(i)
+                )  # fmt: skip
                 for i in range(cfg.num_prefill)
             ]
-            self.decodes = [DecodeInstance(f"d{i}", prof, bs, self._finished, self.core) for i in range(cfg.num_decode)]
+            self.decodes = [
+                DecodeInstance(f"d{i}", prof, bs, self._finished, self.core, noise=cfg.noise(cfg.num_prefill + i))
+                for i in range(cfg.num_decode)
+            ]
         self._decode_by_id = {d.instance_id: d for d in self.decodes}
         self._prefill_index = {p.instance_id: i for i, p in enumerate(self.prefills)}
 

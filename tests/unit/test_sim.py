@@ -174,3 +174,19 @@ def test_t_queue_counts_the_whole_backlog():
     bookings.prefill_done(1, 2.0)
     assert bookings.t_queue(2.5) == pytest.approx(0.5)
     assert bookings.num_blocks == 2
+
+
+def test_prediction_error_makes_actual_times_differ_from_predicted_ones_reproducibly():
+    requests = [request(i, 2.0 * i, 1500, [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(40)]
+
+    def ratios(**kw):
+        return [(r.first_token - r.arrival) / r.predicted_ttft for r in run(requests, **kw).records]
+
+    assert ratios() == pytest.approx([1.0] * 40)  # perfect models: every TTFT as predicted
+    noisy = ratios(prediction_error=0.3, seed=7)
+    assert noisy == ratios(prediction_error=0.3, seed=7)  # seeded
+    assert noisy != ratios(prediction_error=0.3, seed=8)
+    logs = np.log(noisy)
+    assert 0.15 < float(np.std(logs)) < 0.45 and abs(float(np.mean(logs))) < 0.15
+    with pytest.raises(ValueError, match="prediction_error"):
+        SimConfig(prediction_error=-0.1)

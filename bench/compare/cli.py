@@ -5,6 +5,7 @@
     kvconductor bench compare --sweep                # tuning order on the disaggregated cluster
     kvconductor bench compare --routers --requests 30 --num-prefixes 3   # Conductor vs. sglang/vllm routers
     kvconductor bench compare --engine vllm --routers   # the same on vLLM workers
+    kvconductor bench compare --engine emulated --routers --request-rates 1 2 4   # 16 emulated GPU workers
 
 Both clusters run the same number of worker processes with the same torch threads (colocated: two
 colocated workers; disaggregated: one prefill and one decode worker) and get the identical workload:
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import report
-from bench.compare.cluster import COLOCATED, DISAGGREGATED
+from bench.compare.cluster import colocated, disaggregated
 from bench.compare.measure import measure
 from bench.compare.routers import DEFAULT_CONTENDERS
 from bench.provenance import fresh_out, git_state
@@ -56,9 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=("builtin", "vllm"),
+        choices=("builtin", "vllm", "emulated"),
         default="builtin",
-        help="worker engine of every cluster ([engine] backend; vllm serves the config's real model)",
+        help="worker engine of every cluster ([engine] backend; vllm serves the config's real model; emulated: "
+        "deploy/emulated.toml's GPU profile on 16 worker slots)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="worker slots of every deployment: N colocated, or N/2 prefill + N/2 decode (default 2; 16 emulated)",
     )
     p.add_argument(
         "--concurrency",
@@ -82,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{' '.join(DEFAULT_CONTENDERS['builtin'])}; with --engine vllm {' '.join(DEFAULT_CONTENDERS['vllm'])})",
     )
     r.add_argument("--cluster-json", help="use this running cluster's cluster.json instead of starting one")
+    r.add_argument(
+        "--request-rates",
+        type=float,
+        nargs="+",
+        metavar="R",
+        help="open-loop levels instead of --concurrency: Poisson arrivals at R requests/s (a rate sweep)",
+    )
     add_workload_arguments(p, requests_flag="--requests")
     add_slo_arguments(p, ttft=2000.0, tpot=200.0)  # the config's max_ttft_ms and max_tbt_ms  # fmt: skip
 
@@ -97,7 +111,7 @@ def compare(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]:
     t0, code = time.monotonic(), git_state()
     measurements = {
         name: measure(args, name, overrides, args.concurrency, root / name)
-        for name, overrides in (("colocated", COLOCATED), ("disaggregated", DISAGGREGATED))
+        for name, overrides in (("colocated", colocated(args.workers)), ("disaggregated", disaggregated(args.workers)))
     }
     runs = _labelled(measurements)
     record = {"kind": "compare", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0,
@@ -136,10 +150,15 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters and routers it started, as on Ctrl-C
     # builtin: a small random model (fast to start, nothing to convert); vllm: the config's real model
     # (deploy/vllm.toml: SmolLM2-135M-Instruct, 32-token blocks); the user's --set overrides come last.
-    vllm = args.engine == "vllm"
-    args.config = args.config or str(REPO / ("deploy/vllm.toml" if vllm else "deploy/config.toml"))
+    vllm, emulated = args.engine == "vllm", args.engine == "emulated"
+    args.config = args.config or str(REPO / f"deploy/{'config' if args.engine == 'builtin' else args.engine}.toml")
     args.model = args.model or ("SmolLM2-135M-Instruct" if vllm else "tiny-llama")
-    args.model_overrides = ('engine.backend="vllm"',) if vllm else TINY_MODEL
+    args.model_overrides = {"vllm": ('engine.backend="vllm"',), "emulated": (*TINY_MODEL, 'engine.backend="emulated"'),
+                            "builtin": TINY_MODEL}[args.engine]  # fmt: skip
+    args.workers = args.workers or (16 if emulated else 2)
+    if args.workers < 2:
+        print("error: --workers must be at least 2", file=sys.stderr)
+        return 1
     args.contenders = args.contenders or list(DEFAULT_CONTENDERS[args.engine])
     out = Path(args.out or fresh_out("compare"))
     out.mkdir(parents=True, exist_ok=True)

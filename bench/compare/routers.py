@@ -60,7 +60,7 @@ from typing import Any
 import httpx
 
 from bench.compare import report
-from bench.compare.cluster import COLOCATED, DISAGGREGATED
+from bench.compare.cluster import colocated, disaggregated
 from bench.serve import metrics
 from bench.serve.cli import build_workload
 from bench.serve.runner import Target, check_target, run
@@ -79,8 +79,9 @@ DEFAULT_CONTENDERS = {
                 "vllm:kv_aware"),
     "vllm": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:power_of_two",
              "vllm-pd:cache_aware"),
+    "emulated": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware"),
 }  # fmt: skip
-DEPLOYMENTS = {"colocated": COLOCATED, "disaggregated": DISAGGREGATED}
+DEPLOYMENTS = {"colocated": colocated, "disaggregated": disaggregated}
 SERVER_READY_TIMEOUT_S = 300.0
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 15.0
@@ -287,12 +288,32 @@ def workload(args: argparse.Namespace, seed: int) -> list[Any]:
     return requests
 
 
-def run_level(target: Target, args: argparse.Namespace, concurrency: int, seed: int) -> dict[str, Any]:
-    """One closed-loop run at ``concurrency``; the record ``bench serve`` writes, plus the seed."""
+@dataclass(frozen=True)
+class Level:
+    """One load level: closed loop at ``concurrency`` or open loop at ``rate`` requests/s (Poisson)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        """``c=4`` or ``rate=2.5``."""
+        return f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}"
+
+
+def levels(args: argparse.Namespace) -> list[Level]:
+    """``--request-rates`` (open loop) when given, else ``--concurrency`` (closed loop)."""
+    if getattr(args, "request_rates", None):
+        return [Level(rate=r) for r in args.request_rates]
+    return [Level(concurrency=c) for c in args.concurrency]
+
+
+def run_level(target: Target, args: argparse.Namespace, level: Level, seed: int) -> dict[str, Any]:
+    """One run at ``level``; the record ``bench serve`` writes, plus the seed."""
     requests = workload(args, seed)
-    results, duration = asyncio.run(run(target, requests, concurrency, None, seed, args.quiet))
+    results, duration = asyncio.run(run(target, requests, level.concurrency, level.rate, seed, args.quiet))
     summary = metrics.summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
-    return {"seed": seed, "concurrency": concurrency, "summary": summary,
+    return {"seed": seed, "concurrency": level.concurrency, "rate": level.rate, "summary": summary,
             "requests": [vars(r) | {"tpot": r.tpot} for r in results]}  # fmt: skip
 
 
@@ -326,19 +347,19 @@ def run_contender(
     if contender.router is None:
         asyncio.run(check_target(target))  # the routers' /v1/models need not list our model (sglang: "unknown")
     smoke(target)
-    levels: dict[str, Any] = {}
-    for j, level in enumerate(args.concurrency):
+    runs: dict[str, Any] = {}
+    for j, level in enumerate(levels(args)):
         before = scrape_all(workers)
         record = run_level(target, args, level, args.seed + 100 * index + j)
         record["workers"] = worker_deltas(before, scrape_all(workers))
-        levels[f"c={level}"] = record
+        runs[level.label] = record
         s = record["summary"]
         shares = "/".join(f"{d['token_share']:.0%}" for d in record["workers"].values())
-        print(f"[routers] {contender.label} c={level}: TTFT p50 {s['ttft_ms']['median']:.1f} ms, TPOT p50 "
+        print(f"[routers] {contender.label} {level.label}: TTFT p50 {s['ttft_ms']['median']:.1f} ms, TPOT p50 "
               f"{s['tpot_ms']['median']:.2f} ms, hit {s['prefix_cache_hit_rate']:.1%}, "
               f"{s['completed']}/{s['requests']} done, worker token shares {shares}",
               file=sys.stderr, flush=True)  # fmt: skip
-    result: dict[str, Any] = {"label": contender.label, "spec": contender.spec, "base_url": base_url, "levels": levels,
+    result: dict[str, Any] = {"label": contender.label, "spec": contender.spec, "base_url": base_url, "levels": runs,
               "probe": probe(target, args, workers, args.seed + 100 * index + 99)}  # fmt: skip
     shares = "/".join(f"{v:.0%}" for v in result["probe"]["token_share"].values())
     print(f"[routers] {contender.label} probe ({PROBE_REQUESTS} requests, one prefix): worker token shares {shares}",
@@ -374,7 +395,7 @@ def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> I
     if args.cluster_json and deployment == "colocated":
         yield json.loads(Path(args.cluster_json).read_text())
         return
-    overrides = [*args.model_overrides, *args.set, *DEPLOYMENTS[deployment]]
+    overrides = [*args.model_overrides, *args.set, *DEPLOYMENTS[deployment](args.workers)]
     print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
@@ -441,13 +462,13 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {"deployments": deployments, "contenders": results}
 
 
-def table(record: dict[str, Any], levels: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """``{"sglang-router cache_aware c=4": summary, ...}``, levels outermost."""
+def table(record: dict[str, Any], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{"sglang-router cache_aware c=4": summary, ...}``, levels (``Level.label``) outermost."""
     ran = [r for r in record["contenders"].values() if "levels" in r]
-    return {f"{r['label']} c={c}": r["levels"][f"c={c}"]["summary"] for c in levels for r in ran}
+    return {f"{r['label']} {level}": r["levels"][level]["summary"] for level in labels for r in ran}
 
 
-def workers_markdown(record: dict[str, Any], levels: Sequence[int]) -> str:
+def workers_markdown(record: dict[str, Any], labels: Sequence[str]) -> str:
     """Per contender and level: each worker's share of the prompt tokens and its engine hit rate; the probe."""
     ran = [r for r in record["contenders"].values() if "levels" in r]
     ids = list(dict.fromkeys(i for r in ran for level in r["levels"].values() for i in level["workers"]))
@@ -457,20 +478,20 @@ def workers_markdown(record: dict[str, Any], levels: Sequence[int]) -> str:
     for r in ran:
         shares = r["probe"]["token_share"]
         probe_cell = " / ".join(f"{shares[i]:.0%}" if i in shares else "-" for i in ids)
-        for c in levels:
-            w = r["levels"][f"c={c}"]["workers"]
+        for level in labels:
+            w = r["levels"][level]["workers"]
             cells = [f"{w[i]['token_share']:.0%} / {w[i]['hit_rate']:.0%}" if i in w else "-" for i in ids]
-            rows.append(f"| {r['label']} c={c} | " + " | ".join(cells) + f" | {probe_cell} |\n")
+            rows.append(f"| {r['label']} {level} | " + " | ".join(cells) + f" | {probe_cell} |\n")
     return head + "".join(rows)
 
 
-def markdown(record: dict[str, Any], title: str, levels: Sequence[int]) -> str:
+def markdown(record: dict[str, Any], title: str, labels: Sequence[str]) -> str:
     """routers.md: the table, what the workers saw, what was skipped or failed."""
-    lines = [f"{title}; code {record['code']}; `{record['command']}`\n", report.markdown_table(table(record, levels)),
+    lines = [f"{title}; code {record['code']}; `{record['command']}`\n", report.markdown_table(table(record, labels)),
              "\nWhat the workers saw (their own /metrics: share of the prompt tokens each engine looked up, and "
              "its prefix-cache hit rate; probe: shares of a prefix sent 4 times in a row; - where a contender ran "
              "on other workers, and none for stock vLLM servers):\n",
-             workers_markdown(record, levels)]  # fmt: skip
+             workers_markdown(record, labels)]  # fmt: skip
     for r in record["contenders"].values():
         for key in ("skipped", "failed", "note"):
             if key in r:
@@ -502,16 +523,18 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     record = {"kind": "routers", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0, **result,
               "workload": {k: getattr(args, k) for k in ("workload", "endpoint", "num_requests", "num_prefixes",
                            "suffixes_per_prefix", "prefix_len", "suffix_len", "output_len", "seed", "concurrency",
-                           "ttft_slo_ms", "tpot_slo_ms")}, "overrides": args.set}  # fmt: skip
-    runs = table(record, args.concurrency)
+                           "request_rates", "ttft_slo_ms", "tpot_slo_ms")}, "overrides": args.set}  # fmt: skip
+    labels = [level.label for level in levels(args)]
+    runs = table(record, labels)
     if not runs:
         raise RuntimeError("no contender ran: " + "; ".join(
             f"{r['label']}: {r.get('skipped') or r.get('failed')}" for r in record["contenders"].values()))  # fmt: skip
     title = (f"bench compare --routers: {args.workload}, {args.num_requests} requests over {args.num_prefixes} "
-             f"prefixes, {args.engine} engine, two workers of one engine each behind every front end")  # fmt: skip
+             f"prefixes, {args.engine} engine, {args.workers} worker slots of one engine each behind every "
+             "front end")  # fmt: skip
     (out / "routers.json").write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
-    (out / "routers.md").write_text(markdown(record, title, args.concurrency))
+    (out / "routers.md").write_text(markdown(record, title, labels))
     report.plot(runs, out / "routers.png", title, colors=colors(list(runs)))
     print(report.text_table(runs))
-    print(workers_markdown(record, args.concurrency))
+    print(workers_markdown(record, labels))
     return record

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.compare.cluster import DISAGGREGATED
+from bench.compare.cluster import disaggregated
 from bench.provenance import fresh_out, git_state
 from bench.serve import metrics
 from bench.serve.client import RequestResult
@@ -210,7 +210,7 @@ def cluster(args: argparse.Namespace, log: Log) -> Iterator[Cluster]:
         yield Cluster(manifest, None, f"given ({args.cluster_json})")
         return
     run_dir = REPO / "runs" / time.strftime("soak-%Y%m%d-%H%M%S") / "cluster"
-    overrides = (*DISAGGREGATED, *SMALL_KV, *args.set)
+    overrides = (*disaggregated(), *SMALL_KV, *args.set)
     log(f"starting a cluster (kvconductor up; logs in {run_dir}): {' '.join(overrides)}")
     try:
         with local_cluster(args.config, (*TINY_MODEL, *overrides), run_dir) as running:

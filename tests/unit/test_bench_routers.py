@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from bench.compare.routers import (
+    Level,
     conductor_policy,
+    levels,
     parse_contender,
     router_command,
     worker_deltas,
@@ -52,7 +56,7 @@ def test_worker_table_marks_workers_a_contender_did_not_use():
         "vllm-pd:cache_aware": {"label": "vllm-router PD cache_aware", "levels": {"c=1": {"workers": {}}},
                                 "probe": {"token_share": {}}},
     }}  # fmt: skip
-    rows = workers_markdown(record, [1]).splitlines()
+    rows = workers_markdown(record, ["c=1"]).splitlines()
     assert rows[0].startswith("| run | colocated-0 tokens / hit | probe")
     assert rows[2] == "| conductor (kvcache_centric) c=1 | 100% / 50% | 100% |"
     assert rows[3] == "| vllm-router PD cache_aware c=1 | - | - |"
@@ -64,3 +68,9 @@ def test_worker_deltas_share_and_hit_rate():
     d = worker_deltas(before, after)
     assert d["w0"]["token_share"] == pytest.approx(0.75) and d["w0"]["hit_rate"] == pytest.approx(0.5)
     assert d["w1"]["token_share"] == pytest.approx(0.25) and d["w1"]["hit_rate"] == 0.0
+
+
+def test_levels_are_request_rates_when_given_else_concurrency_levels():
+    assert levels(argparse.Namespace(concurrency=[1, 4], request_rates=None)) == [Level(1), Level(4)]
+    rates = levels(argparse.Namespace(concurrency=[1, 4], request_rates=[0.5, 2.0]))
+    assert [level.label for level in rates] == ["rate=0.5", "rate=2"] and rates[0].concurrency is None

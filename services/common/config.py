@@ -218,6 +218,9 @@ class SchedulerConfig:
     # is abandoned on that worker and resumed elsewhere; the worker gets no new work until it shows progress.
     stall_timeout_s: float = 15.0
     stall_factor: float = 4.0
+    # A request that finds no worker for its deployment waits this long for one to register (again) before
+    # it fails with UNAVAILABLE: on a starved machine leases can expire and come back a second later.
+    worker_wait_s: float = 5.0
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -231,6 +234,7 @@ class SchedulerConfig:
         _check(1 <= self.max_attempts <= 10, "[scheduler] max_attempts", "must be in 1..10")
         _check(0 < self.stall_timeout_s <= 3600, "[scheduler] stall_timeout_s", "must be in (0, 3600]")
         _check(1 <= self.stall_factor <= 100, "[scheduler] stall_factor", "must be in 1..100")
+        _check(0 <= self.worker_wait_s <= 300, "[scheduler] worker_wait_s", "must be in 0..300")
         _check(
             self.early_rejection in EARLY_REJECTION,
             "[scheduler] early_rejection",

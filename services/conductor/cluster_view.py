@@ -8,9 +8,10 @@ the decode batch and the KV blocks reserved.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
@@ -22,6 +23,7 @@ from services.common.registry import InstanceEvent
 from services.common.rpc import channel
 
 log = logging.getLogger(__name__)
+QUARANTINE_POLL_S = 0.25  # wait_for re-checks this often: quarantines end with time, not with events
 CHANNEL_CLOSE_GRACE_S = 120.0
 
 
@@ -84,6 +86,7 @@ class ClusterView:
         self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
         self._suspects: dict[str, int | None] = {}  # stalled instance -> its engine beats when first probed
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = asyncio.Event()  # set at every registry change (``wait_for``)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Apply registry events on ``loop`` from now on."""
@@ -95,6 +98,7 @@ class ClusterView:
             self._loop.call_soon_threadsafe(self._apply, event)
 
     def _apply(self, event: InstanceEvent) -> None:
+        self._changed.set()
         if event.role == "kvmeta":
             self._apply_kvmeta(event)
             return
@@ -137,6 +141,18 @@ class ClusterView:
             asyncio.ensure_future(self.kvmeta.close())
         self.kvmeta_address = address
         self.kvmeta = channel(address) if address else None
+
+    async def wait_for(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``ready()`` holds (checked at each registry change, and as quarantines end); whether it does."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(remaining, QUARANTINE_POLL_S))
+        return True
 
     def pool(self, role: str, exclude: Collection[str] = ()) -> list[InstanceView]:
         """Instances of one role, by id, except quarantined, excluded and (while others are left) suspect ones.

@@ -80,6 +80,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self, request: conductor_pb2.GenerateRequest, context: Any
     ) -> AsyncIterator[conductor_pb2.GenerateResponse]:
         """Schedule, run and stream one request."""
+        if request.deployment not in conductor_pb2.Deployment.values():
+            raise ValueError(f"unknown deployment {request.deployment}")
+        await self.view.wait_for(lambda: any(self._available(request.deployment)), self.config.scheduler.worker_wait_s)
         job = self._admit(request)
         disaggregated = self._use_disaggregated(request.deployment)
         job.path = "disaggregated" if disaggregated else "colocated"
@@ -183,11 +186,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise ValueError(f"token id {max(prompt)} is outside the vocabulary (size {vocab})")
         return prompt
 
-    def _use_disaggregated(self, deployment: int) -> bool:
-        if deployment not in conductor_pb2.Deployment.values():
-            raise ValueError(f"unknown deployment {deployment}")
+    def _available(self, deployment: int) -> tuple[bool, bool]:
+        """(prefill and decode workers, colocated workers) that ``deployment`` may use now."""
         has_pd = bool(self.view.pool("prefill")) and bool(self.view.pool("decode"))
         has_colocated = bool(self.view.pool("colocated"))
+        if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
+            return has_pd, False
+        if deployment == conductor_pb2.DEPLOYMENT_COLOCATED:
+            return False, has_colocated
+        return has_pd, has_colocated
+
+    def _use_disaggregated(self, deployment: int) -> bool:
+        has_pd, has_colocated = self._available(deployment)
         if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
             if not has_pd:
                 raise RpcError(UNAVAILABLE, "no prefill/decode workers are available")
@@ -301,7 +311,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                             len(job.generated))  # fmt: skip
                 metrics.RETRIES.labels(job.path).inc()
 
-    def _pool(self, role: str, job: Job) -> list[InstanceView]:
+    async def _pool(self, role: str, job: Job) -> list[InstanceView]:
+        """The role's instances this attempt may use; with none registered now, wait ``worker_wait_s`` for one.
+
+        Not after this request's own workers failed: then the failure is the answer, at once.
+        """
+        if not job.failed:
+            await self.view.wait_for(lambda: bool(self.view.pool(role)), self.config.scheduler.worker_wait_s)
         pool = self.view.pool(role, exclude=job.failed)
         if not pool and job.failed:  # a retry with nowhere left to go: the failure, not a capacity rejection
             raise RpcError(UNAVAILABLE, f"no {role} instance left after {', '.join(sorted(job.failed))} failed")
@@ -311,7 +327,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
         tokens, sampling = job.tokens, job.attempt_sampling  # this attempt's, before it streams anything
-        plan = await self._plan(job, self._pool("prefill", job), self._pool("decode", job))
+        plan = await self._plan(job, await self._pool("prefill", job), await self._pool("decode", job))
         p = self.view.instances[plan.prefill.instance_id]
         d = self.view.instances[plan.decode_instance]
         self._assign(job, plan, p, d)
@@ -464,7 +480,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )  # fmt: skip
 
     async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
-        pool = self._pool("colocated", job)
+        pool = await self._pool("colocated", job)
         plan = await self._plan(job, pool, pool)
         c = self.view.instances[plan.prefill.instance_id]
         self._assign(job, plan, c, c)

@@ -1,4 +1,6 @@
-"""The Conductor's pools: quarantined and excluded instances are out, suspects only as the last resort."""
+"""The Conductor's pools: quarantined and excluded instances out, suspects last; waiting for a worker."""
+
+import asyncio
 
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.common.instance_record import CostModels, KVShape, WorkerRecord
@@ -6,16 +8,20 @@ from services.common.registry import InstanceEvent
 from services.conductor.cluster_view import ClusterView
 
 
+def _put(instance_id, port=1):
+    role = instance_id.split("-")[0]
+    record = WorkerRecord(
+        role=role, instance_id=instance_id, address=f"127.0.0.1:{port}", block_size=16, num_blocks=64,
+        kv_layout=KVShape(1, 1, 1, "float32", 1),
+        cost_model=CostModels(PrefillModel(1e-3, 1e-5, 0.0), DecodeModel(1e-3, 1e-5, 0.0)),
+    )  # fmt: skip
+    return InstanceEvent("put", role, instance_id, record)
+
+
 def _view(*instance_ids):
     view = ClusterView()
     for port, instance_id in enumerate(instance_ids, 1):
-        role = instance_id.split("-")[0]
-        record = WorkerRecord(
-            role=role, instance_id=instance_id, address=f"127.0.0.1:{port}", block_size=16, num_blocks=64,
-            kv_layout=KVShape(1, 1, 1, "float32", 1),
-            cost_model=CostModels(PrefillModel(1e-3, 1e-5, 0.0), DecodeModel(1e-3, 1e-5, 0.0)),
-        )  # fmt: skip
-        view._apply(InstanceEvent("put", role, instance_id, record))
+        view._apply(_put(instance_id, port))
     return view
 
 
@@ -45,3 +51,13 @@ async def test_excluded_instances_are_out_even_when_the_rest_are_suspect():
     view.suspect("prefill-1")
     assert _ids(view.pool("prefill", exclude={"prefill-0"})) == ["prefill-1"]
     assert _ids(view.pool("prefill", exclude={"prefill-0", "prefill-1"})) == []
+
+
+async def test_waiting_for_a_worker_ends_when_one_registers_or_a_quarantine_ends():
+    view = _view("decode-0")
+    assert await view.wait_for(lambda: bool(view.pool("prefill")), 0.2) is False
+    asyncio.get_running_loop().call_later(0.05, view._apply, _put("prefill-0", 2))  # a lease came back
+    assert await view.wait_for(lambda: bool(view.pool("prefill")), 30) is True
+    view.quarantine("decode-0", 0.3)
+    assert not view.pool("decode")
+    assert await view.wait_for(lambda: bool(view.pool("decode")), 30) is True  # no event: the quarantine ended

@@ -107,8 +107,8 @@ class WorkerRecord(InstanceRecord):
 
     @property
     def exports_kv(self) -> bool:
-        """Whether peers can read its cached blocks (KV copies); vLLM's pool lives inside its EngineCore."""
-        return self.engine == "builtin"
+        """Whether peers can read its cached blocks (KV copies): the built-in pool (emulated too), not vLLM's."""
+        return self.engine != "vllm"
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object stored in etcd."""

@@ -47,7 +47,7 @@ class KvCacheCentric:
     """Least predicted TTFT (colocated: plus the decode time shared there); ties to the longer prefix, then the id."""
 
     copies = True
-    explanation = "least predicted TTFT (colocated: plus the decode time it adds there)"
+    explanation = "least predicted TTFT (on colocated instances plus the decode time it shares)"
 
     def choose(  # noqa: D102
         self, estimates: Sequence[PrefillEstimate], candidates: Sequence[PrefillCandidate], request: RequestShape

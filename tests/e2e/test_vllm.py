@@ -65,21 +65,18 @@ def test_disaggregated_vllm_gives_the_tokens_of_a_single_vllm_instance(vllm_clus
 def _place_two_prefixes(cluster, a, b, tail):
     """Cache ``a`` on one prefill worker and ``b`` on the other; their holders, or None if this try lost.
 
-    ``b`` goes to the other worker because it is sent while the holder of ``a`` prefills a long prompt that
-    starts with ``a``. That long prompt goes to the holder unless the other worker's cost model predicts
-    it faster even without the prefix (each worker refits its own model, and under contention their speeds
-    differ), or it ends before ``b`` is scheduled: then this try is lost.
+    ``a`` is cached by a long prompt that starts with it, and ``b`` is sent while that prompt prefills, so
+    the Conductor's queue estimate (T_queue) sends ``b`` to the other worker, whichever worker the long
+    prompt went to. A lost race (the long prompt done before ``b`` is scheduled) loses the try.
     """
-    _, first, _ = grpc_generate(cluster, a + [1, 2, 3], PD)
-    holder_a = first.prefill_instance
-    wait_indexed(cluster, a, holder_a, BLOCK)  # else the long prompt cannot be sent to the holder of a
     with ThreadPoolExecutor(1) as pool:
         long_prompt = pool.submit(grpc_generate, cluster, a + tail * 3, PD, 2)  # about 3,600 tokens
-        if prefill_booked_on(cluster, long_prompt) != holder_a:
-            long_prompt.result()
-            return None
+        holder_a = prefill_booked_on(cluster, long_prompt)
         _, placed, _ = grpc_generate(cluster, b, PD)
-    return (holder_a, placed.prefill_instance) if placed.prefill_instance != holder_a else None
+        long_prompt.result()
+    if holder_a is None or placed.prefill_instance == holder_a:
+        return None
+    return holder_a, placed.prefill_instance
 
 
 def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_holds_it(vllm_cluster):

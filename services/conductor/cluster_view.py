@@ -87,6 +87,7 @@ class ClusterView:
         self._suspects: dict[str, int | None] = {}  # stalled instance -> its engine beats when first probed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed = asyncio.Event()  # set at every registry change (``wait_for``)
+        self._departed: dict[str, tuple[InstanceView, asyncio.TimerHandle]] = {}  # left; channel closes later
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Apply registry events on ``loop`` from now on."""
@@ -109,9 +110,11 @@ class ClusterView:
             self._suspects.pop(event.instance_id, None)  # a new process of that name starts with a clean slate
         if event.kind == "delete" or event.record is None:
             log.info("%s %s left", event.role, event.instance_id)
-            if old is not None:  # calls in flight (a draining worker's streams) keep their channel a while
-                asyncio.ensure_future(old.channel.close(grace=CHANNEL_CLOSE_GRACE_S))
+            if old is not None:
+                self._retire(old)
             return
+        if old is None:  # back after its lease expired (a starved machine): the same process keeps its channel
+            old = self._rejoin(event.instance_id, event.record.address)
         record = event.record
         assert isinstance(record, WorkerRecord), "the registry decodes a worker role's value as a WorkerRecord"
         if record.engine != self.engine:
@@ -127,6 +130,28 @@ class ClusterView:
         self.instances[event.instance_id] = view
         if old is None:
             log.info("%s %s joined at %s", event.role, event.instance_id, record.address)
+
+    def _retire(self, view: InstanceView) -> None:
+        """Close a departed instance's channel after a grace; calls in flight keep working meanwhile.
+
+        In flight: a draining worker's streams, and the next call of a request already planned there.
+        """
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(CHANNEL_CLOSE_GRACE_S, lambda: asyncio.ensure_future(view.channel.close()))
+        previous = self._departed.pop(view.instance_id, None)
+        if previous is not None:
+            previous[1].cancel()
+            asyncio.ensure_future(previous[0].channel.close())
+        self._departed[view.instance_id] = (view, handle)
+
+    def _rejoin(self, instance_id: str, address: str) -> InstanceView | None:
+        """The departed view of an instance registering again at the same address (its channel, its bookings)."""
+        departed = self._departed.get(instance_id)
+        if departed is None or departed[0].record.address != address:
+            return None
+        del self._departed[instance_id]
+        departed[1].cancel()
+        return departed[0]
 
     def _apply_kvmeta(self, event: InstanceEvent) -> None:
         """Follow the newest kvmeta: a replacement registers before the old one's lease expires."""

@@ -61,3 +61,16 @@ async def test_waiting_for_a_worker_ends_when_one_registers_or_a_quarantine_ends
     view.quarantine("decode-0", 0.3)
     assert not view.pool("decode")
     assert await view.wait_for(lambda: bool(view.pool("decode")), 30) is True  # no event: the quarantine ended
+
+
+async def test_an_instance_back_after_its_lease_expired_keeps_its_channel_and_bookings():
+    view = _view("decode-0")
+    before = view.instances["decode-0"]
+    view._apply(InstanceEvent("delete", "decode", "decode-0", None))
+    assert "decode-0" not in view.instances
+    view._apply(_put("decode-0", 1))  # the same process, same address: a request planned there can still call it
+    after = view.instances["decode-0"]
+    assert after.channel is before.channel and after.state.decoding is before.state.decoding
+    view._apply(InstanceEvent("delete", "decode", "decode-0", None))
+    view._apply(_put("decode-0", 9))  # another address: a new process, a new channel
+    assert view.instances["decode-0"].channel is not before.channel

@@ -101,23 +101,29 @@ def bytes_per_block(cluster):
     return record.kv_layout.bytes_per_block
 
 
-def kvmeta_matches(cluster, block_hashes):
-    """kvmeta's prefix match per instance, in blocks."""
+def kvmeta_matches(cluster, block_hashes, timeout=30):
+    """kvmeta's prefix match per instance, in blocks.
+
+    Retries while no kvmeta is registered or answers: on a busy machine a lease can expire and come back.
+    """
     from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
     from services.common.registry import Registry
 
+    deadline = time.monotonic() + timeout
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        addresses = [record.address for record in registry.list("kvmeta").values()]
-    for address in reversed(addresses):  # the newest first: an old kvmeta may be dead but not yet expired
-        with grpc.insecure_channel(address) as channel:
-            try:
-                reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(
-                    kvmeta_pb2.MatchPrefixRequest(block_hashes=block_hashes), timeout=10
-                )
-            except grpc.RpcError:
-                continue
-        return {m.instance_id: m.prefix_blocks for m in reply.matches}
-    raise RuntimeError("no kvmeta answers")
+        while time.monotonic() < deadline:
+            addresses = [record.address for record in registry.list("kvmeta").values()]
+            for address in reversed(addresses):  # the newest first: an old kvmeta may be dead but not yet expired
+                with grpc.insecure_channel(address) as channel:
+                    try:
+                        reply = kvmeta_pb2_grpc.KvMetaStub(channel).MatchPrefix(
+                            kvmeta_pb2.MatchPrefixRequest(block_hashes=block_hashes), timeout=10
+                        )
+                    except grpc.RpcError:
+                        continue
+                return {m.instance_id: m.prefix_blocks for m in reply.matches}
+            time.sleep(0.2)
+    raise RuntimeError(f"no kvmeta answered for {timeout} s")
 
 
 def wait_indexed(cluster, prefix, holder, block_size=16, timeout=60):

@@ -16,6 +16,7 @@ import pytest
 from helpers import (
     grpc_generate,
     kill_decode_worker_mid_stream,
+    kvmeta_matches,
     launch_cluster,
     prefill_booked_on,
     stop_cluster,
@@ -23,6 +24,7 @@ from helpers import (
     worker_loads,
 )
 
+from engine.block_hash import prefix_block_hashes
 from kvconductor.v1 import conductor_pb2
 
 pytestmark = pytest.mark.vllm
@@ -67,16 +69,23 @@ def _place_two_prefixes(cluster, a, b, tail):
 
     ``a`` is cached by a long prompt that starts with it, and ``b`` is sent while that prompt prefills, so
     the Conductor's queue estimate (T_queue) sends ``b`` to the other worker, whichever worker the long
-    prompt went to. A lost race (the long prompt done before ``b`` is scheduled) loses the try.
+    prompt went to. A try is lost when the long prompt is done before ``b`` is scheduled, or when a prompt
+    stalled under contention and resumed on the other worker (the progress watchdog), so that kvmeta
+    shows its prefix on both.
     """
     with ThreadPoolExecutor(1) as pool:
         long_prompt = pool.submit(grpc_generate, cluster, a + tail * 3, PD, 2)  # about 3,600 tokens
         holder_a = prefill_booked_on(cluster, long_prompt)
         _, placed, _ = grpc_generate(cluster, b, PD)
         long_prompt.result()
-    if holder_a is None or placed.prefill_instance == holder_a:
+    holder_b = placed.prefill_instance
+    if holder_a is None or holder_b == holder_a:
         return None
-    return holder_a, placed.prefill_instance
+    for prefix, holder, other in ((a, holder_a, holder_b), (b, holder_b, holder_a)):
+        wait_indexed(cluster, prefix, holder, BLOCK)  # vLLM's events reach kvmeta, then Algorithm 1 sees them
+        if kvmeta_matches(cluster, prefix_block_hashes(prefix, BLOCK)).get(other, 0):
+            return None
+    return holder_a, holder_b
 
 
 def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_holds_it(vllm_cluster):
@@ -90,7 +99,6 @@ def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_h
 
     reused = len(a) // BLOCK * BLOCK
     for prefix, holder, other in ((a, holder_a, holder_b), (b, holder_b, holder_a)):
-        wait_indexed(vllm_cluster, prefix, holder, BLOCK)  # vLLM's events reach kvmeta, then Algorithm 1 sees them
         _, decision, usage = grpc_generate(vllm_cluster, prefix + [4, 5], PD)
         assert (decision.prefill_instance, decision.prefix_len, decision.copy_from) == (holder, reused, "")
         assert usage.cached_tokens == reused  # vLLM's own count

@@ -17,6 +17,10 @@ A step computing tokens ``[start, start + n)`` reads ``v[start - 1]`` from the p
 the simulator's (``scheduler.sim``): each prefill chunk costs ``PrefillModel.predict(new, cached)``
 and the decode rows together ``DecodeModel.predict(batch, context)``.
 
+KV transfers. ``link`` is the emulated hardware's link and ``model_bytes_per_token`` the emulated model's
+KV per token; ``transfer_seconds`` is the time the emulated model's KV for the transferred tokens takes
+on that link (scaled), which the worker's transfer engine waits out (``services.worker.transfer``).
+
 Sampled tokens come from the first ``OUTPUT_VOCAB`` ids that are not special (EOS/BOS), so they
 detokenize to ordinary text and never end a request early: emulated requests run to ``max_tokens``.
 """
@@ -35,7 +39,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledBatch
-from scheduler.cost_model import DecodeModel, PrefillModel
+from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
 
 OUTPUT_VOCAB = 1024  # logits columns: sampled ids are below this
 SEED = 0x243F6A8885A308D3
@@ -60,6 +64,8 @@ class Emulation:
     time_scale: float = 1.0  # wall seconds per emulated second
     kv_bytes_per_token: int = 64
     max_model_len: int = 131072
+    link: TransferModel | None = None  # the emulated link (None: transfers as fast as loopback moves the real bytes)
+    model_bytes_per_token: int = 0  # the emulated model's KV bytes per token, moved over ``link``
 
     def __post_init__(self) -> None:
         """Refuse shapes the chain values do not fit in."""
@@ -74,6 +80,12 @@ class Emulation:
             served, num_layers=1, num_kv_heads=1, head_dim=self.kv_bytes_per_token // 2,
             max_model_len=self.max_model_len,
         )  # fmt: skip
+
+    def transfer_seconds(self, num_bytes: int) -> float:
+        """Emulated wall time of a transfer of ``num_bytes`` real bytes: the emulated model's KV on ``link``."""
+        if self.link is None:
+            return 0.0
+        return self.link.predict(num_bytes * self.model_bytes_per_token // self.kv_bytes_per_token) * self.time_scale
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
         """Emulated wall time of one step: prefill chunks one after another, then the decode rows together."""

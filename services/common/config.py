@@ -44,7 +44,7 @@ class ClusterConfig:
     lease_ttl_s: int = 3  # registration lease; a crashed process disappears after this long
     kv_transfer_engine: str = "mooncake"  # the KV data plane (only the Mooncake Transfer Engine)
     transfer_backend: str = "tcp"  # "tcp" (any host) or "rdma" (needs RDMA NICs)
-    transfer_bandwidth_gbps: float = 10.0  # prior for T_transfer until a probe measures the real link
+    transfer_bandwidth_gbps: float = 10.0  # prior for T_transfer and T_send until transfers measure the link
     kv_transfer_timeout_s: float = 30.0  # bound on a KV write; a reservation whose KV has not come by then is freed
     drain_grace_s: float = 10.0  # on SIGTERM a worker leaves etcd, then finishes in-flight work for this long
     # A worker whose engine loop has not turned for this long reports NOT_SERVING on its health service
@@ -136,6 +136,9 @@ class EmulationConfig:
     time_scale: float = 1.0  # wall seconds per emulated second (2 = everything twice as slow as the profile)
     kv_bytes_per_token: int = 64  # KV bytes each token really occupies and moves (a multiple of 16)
     max_model_len: int = 131072  # longest request (prompt + output) in tokens
+    # KV transfers take the profile's link time for the emulated model's KV (the profile's bytes per token),
+    # scaled by time_scale; false: they take what loopback needs for the kv_bytes_per_token actually moved
+    model_link: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""

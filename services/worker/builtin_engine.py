@@ -210,6 +210,7 @@ def emulation_of(config: Config) -> Emulation:
     return Emulation(
         profile.prefill, profile.decode, time_scale=config.emulation.time_scale,
         kv_bytes_per_token=config.emulation.kv_bytes_per_token, max_model_len=config.emulation.max_model_len,
+        link=profile.link if config.emulation.model_link else None, model_bytes_per_token=profile.bytes_per_token,
     )  # fmt: skip
 
 

@@ -18,11 +18,17 @@ still report the caller's blocks, not the merged entries.
 
 The transfer calls block and release the GIL: call them from a worker thread to overlap
 them with compute.
+
+Modeled link. An emulated engine (``engine.emulated_runner``) keeps a few bytes per token where the
+model it emulates keeps hundreds of KiB, so its KV crosses loopback almost for free. Given
+``link_floor`` (seconds as a function of the bytes moved), a transfer moves the real bytes and then
+waits out the rest of the modeled time, so transfers, probes and the link models fitted from them all
+see the emulated link.
 """
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from mooncake.engine import TransferEngine
@@ -88,13 +94,19 @@ class KVTransferEngine:
     """One Mooncake Transfer Engine per process, with its byte and block counts."""
 
     def __init__(
-        self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", merge: bool = True
+        self,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        merge: bool = True,
+        link_floor: Callable[[int], float] | None = None,
     ) -> None:
         if protocol not in _PROTOCOLS:
             raise ValueError(f"protocol must be one of {_PROTOCOLS}, got {protocol!r}")
         self.host = host
         self.protocol = protocol
         self.merge = merge
+        self.link_floor = link_floor  # least seconds a transfer of n bytes takes (a modeled link)
         self._engine = TransferEngine()
         status = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if status != 0:
@@ -161,6 +173,9 @@ class KVTransferEngine:
             raise TransferError(
                 f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} returned {status}"
             )
+        if self.link_floor is not None:
+            time.sleep(max(0.0, self.link_floor(len(local) * length) - seconds))
+            seconds = time.perf_counter() - start
         return TransferResult(len(local) * length, len(local), seconds)
 
     def count_written(self, blocks: int, nbytes: int) -> None:

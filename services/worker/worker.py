@@ -107,7 +107,11 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     torch.set_num_threads(pool_config.torch_threads)
     engine: EnginePort
     kv_bootstrap = ""
-    transfer = KVTransferEngine(config.cluster.host, protocol=config.cluster.transfer_backend)
+    emulated = config.engine.backend == "emulated"
+    transfer = KVTransferEngine(
+        config.cluster.host, protocol=config.cluster.transfer_backend,
+        link_floor=builtin_engine.emulation_of(config).transfer_seconds if emulated else None,
+    )  # fmt: skip
     if config.engine.backend == "vllm":
         from services.worker import vllm_engine  # imports vLLM: only on workers that run it
 

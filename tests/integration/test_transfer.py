@@ -143,6 +143,20 @@ def test_probe_and_validation(peer: Peer, local: tuple[KVTransferEngine, torch.T
         KVTransferEngine(protocol="udp")
 
 
+def test_a_modeled_link_makes_a_transfer_take_the_modeled_time(
+    peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]
+) -> None:
+    engine, pool = local
+    pool.copy_(random_pool(3))
+    engine.link_floor = lambda num_bytes: 0.2 + num_bytes / 1e9  # an emulated link far slower than loopback
+    try:
+        result = engine.write_blocks(peer.endpoint, blocks_of(pool, [0, 1]), [peer.addr(0), peer.addr(1)], BLOCK)
+    finally:
+        engine.link_floor = None
+    assert result.seconds >= 0.2 + 2 * BLOCK / 1e9
+    assert torch.equal(peer.dump()[: 2 * BLOCK], pool[: 2 * BLOCK])  # the real bytes moved too
+
+
 def test_unknown_peer_raises(local: tuple[KVTransferEngine, torch.Tensor]) -> None:
     engine, pool = local
     with pytest.raises(TransferError):

@@ -5,6 +5,7 @@ the same output only if the KV really arrived: a prefix-cache hit, KV bytes copi
 engine's reserved blocks. Corrupted KV changes the output.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from conftest_engine import make_tiny_model, prefill_then_decode, random_prompt
 from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine, generate
 from engine.sampling import SamplingParams
-from scheduler.cost_model import DecodeModel, PrefillModel
+from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 EMULATION = Emulation(PrefillModel(0.002, 1e-5, 1e-9), DecodeModel(0.001, 1e-5, 1e-8), time_scale=0.5,
@@ -60,6 +61,14 @@ def test_a_step_waits_the_profile_time_scaled(model_dir: Path) -> None:
     p, d = EMULATION.prefill, EMULATION.decode
     expected = [p.predict(64, 0), p.predict(36, 64), d.predict(1, 101)]
     assert waits == pytest.approx([s * EMULATION.time_scale for s in expected])
+
+
+def test_a_transfer_takes_the_emulated_models_kv_time_on_the_emulated_link() -> None:
+    link = TransferModel.from_gbps(100.0, latency_s=0.001)
+    emulation = dataclasses.replace(EMULATION, link=link, model_bytes_per_token=327680)
+    tokens = 4000
+    assert emulation.transfer_seconds(tokens * 32) == pytest.approx(link.predict(tokens * 327680) * 0.5)
+    assert EMULATION.transfer_seconds(tokens * 32) == 0.0  # no link: as fast as the real bytes go
 
 
 def test_bad_emulation_settings_are_refused() -> None:

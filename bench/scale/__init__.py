@@ -1,0 +1,1 @@
+"""Scale runs on emulated GPU workers: live vs. simulator."""

@@ -1,0 +1,156 @@
+"""Live vs. simulator: one slice of a Mooncake trace through ``bench.sim`` and a live emulated cluster.
+
+    python -m bench.scale.live_vs_sim                                 # 200 requests, 8P+8D, 3 policies
+    python -m bench.scale.live_vs_sim --limit 400 --policies kvcache_centric,cache_aware,random,round_robin
+    python -m bench.scale.live_vs_sim --out bench/results/scale      # update the committed table
+
+Both sides get the same requests (the trace's first ``--limit``, outputs capped at
+``--max-output-tokens`` so that 16 workers' token streams fit on two cores; prompts at full length),
+the same analytic A800 profile (``deploy/emulated.toml``: the emulated engine waits what the simulator
+charges, and its transfers take the profile's link time) and the same instance counts, with SLO
+admission off (every request is served, as ``bench.sim.run`` does by default). Per policy: mean and
+p50/p90 TTFT and the prefix hit rate (reused prompt tokens / prompt tokens) on each side, and the
+live/sim ratio. Writes ``live_vs_sim.{json,md}`` and the trace slice under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.provenance import REPO, fresh_out, git_state
+from bench.serve.cli import run_benchmark
+from bench.serve.runner import Target
+from bench.sim.common import run_one
+from cli.local_cluster import TINY_MODEL, local_cluster
+from scheduler.sim.profiles import analytic_gpu
+from scheduler.sim.simulator import SimConfig
+from scheduler.sim.trace import DEFAULT_TRACE
+
+LIVE_POLICIES = ("kvcache_centric", "cache_aware", "least_loaded", "random", "round_robin", "dynamo", "sglang")
+TOLERANCE = 0.15  # the agreement the comparison asks for (relative, on mean TTFT and hit rate)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.scale.live_vs_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--limit", type=int, default=200, help="the trace's first N requests (default 200)")
+    p.add_argument("--max-output-tokens", type=int, default=32, help="cap on each output (default 32)")
+    p.add_argument("--policies", default="kvcache_centric,cache_aware,round_robin",
+                   help=f"comma-separated, of: {', '.join(LIVE_POLICIES)}")  # fmt: skip
+    p.add_argument("--prefill", type=int, default=8, help="prefill instances (default 8)")
+    p.add_argument("--decode", type=int, default=8, help="decode instances (default 8)")
+    p.add_argument("--config", default=str(REPO / "deploy/emulated.toml"), help="the live cluster's config")
+    p.add_argument("--out", type=Path, help="results folder (default: a fresh folder under runs/bench/)")
+    p.add_argument("--quiet", action="store_true", help="no per-request progress line")
+    args = p.parse_args(argv)
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    unknown = sorted(set(args.policies) - set(LIVE_POLICIES))
+    if unknown:
+        p.error(f"unknown policies: {', '.join(unknown)}")
+    if args.limit < 1 or args.max_output_tokens < 1:
+        p.error("--limit and --max-output-tokens must be >= 1")
+    return args
+
+
+def write_slice(trace: Path, limit: int, max_output: int, path: Path) -> int:
+    """The first ``limit`` requests with capped outputs, as a trace both sides replay; the count written."""
+    lines: list[str] = []
+    with trace.open() as f:
+        for line in f:
+            if len(lines) >= limit:
+                break
+            if line.strip():
+                row = json.loads(line)
+                row["output_length"] = max(1, min(int(row["output_length"]), max_output))
+                lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def simulated(policy: str, args: argparse.Namespace, trace: Path) -> dict[str, Any]:
+    """Mean and percentile TTFT (s) and hit rate of one policy in the simulator."""
+    config = SimConfig(policy=policy, num_prefill=args.prefill, num_decode=args.decode, reject=False)
+    s = run_one(config, analytic_gpu(), trace, None, 1.0)["summary"]
+    t = s["ttft"]
+    return {"ttft_mean": t["mean"], "ttft_p50": t["p50"], "ttft_p90": t["p90"], "hit_rate": s["cache_hit_rate"],
+            "completed": s["served"]}  # fmt: skip
+
+
+def live(policy: str, args: argparse.Namespace, trace: Path, run_dir: Path) -> dict[str, Any]:
+    """The same on a live emulated cluster: the trace replayed at its own arrival times."""
+    overrides = [*TINY_MODEL, 'engine.backend="emulated"', f'scheduler.policy="{policy}"',
+                 "scheduler.reject_on_slo_violation=false", f"prefill.node_count={args.prefill}",
+                 f"decode.node_count={args.decode}", "colocated.node_count=0"]  # fmt: skip
+    print(f"[live_vs_sim] {policy}: starting {args.prefill}P+{args.decode}D emulated ...", file=sys.stderr, flush=True)
+    with local_cluster(args.config, overrides, run_dir) as cluster:
+        print(f"[live_vs_sim] {policy}: ready in {cluster.startup_s:.0f} s", file=sys.stderr, flush=True)
+        bench = argparse.Namespace(
+            workload="trace", trace=str(trace), limit=None, length_scale=1.0, output_scale=1.0,
+            max_output_tokens=args.max_output_tokens, max_input_tokens=1 << 30, time_scale=1.0, seed=0,
+            endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=300.0,
+        )  # fmt: skip
+        record = run_benchmark(Target(cluster.rest, "tiny-llama", None, "completions"), bench, quiet=args.quiet)
+    s = record["summary"]
+    t = s["ttft_ms"]
+    return {"ttft_mean": t["mean"] / 1e3, "ttft_p50": t["median"] / 1e3, "ttft_p90": t["p90"] / 1e3,
+            "hit_rate": s["prefix_cache_hit_rate"], "completed": s["completed"], "errors": s["errors"],
+            "run_dir": str(run_dir)}  # fmt: skip
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    head = (
+        "| policy | sim mean TTFT s | live mean TTFT s | live/sim | sim p90 s | live p90 s | sim hit | live hit "
+        "| live/sim | within 15% |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    lines = []
+    for policy, r in rows.items():
+        sim, real = r["sim"], r["live"]
+        t, h = ratio(real["ttft_mean"], sim["ttft_mean"]), ratio(real["hit_rate"], sim["hit_rate"])
+        ok = abs(t - 1) <= TOLERANCE and abs(h - 1) <= TOLERANCE
+        lines.append(f"| {policy} | {sim['ttft_mean']:.3f} | {real['ttft_mean']:.3f} | {t:.2f} | {sim['ttft_p90']:.3f} "
+                     f"| {real['ttft_p90']:.3f} | {sim['hit_rate']:.1%} | {real['hit_rate']:.1%} | {h:.2f} | "
+                     f"{'yes' if ok else 'no'} |")  # fmt: skip
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    code, t0 = git_state(), time.monotonic()
+    out = Path(args.out or fresh_out("live-vs-sim"))
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace_slice.jsonl"
+    n = write_slice(args.trace, args.limit, args.max_output_tokens, trace)
+    root = REPO / "runs" / f"live-vs-sim-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows: dict[str, dict[str, Any]] = {}
+    for policy in args.policies:
+        rows[policy] = {"sim": simulated(policy, args, trace), "live": live(policy, args, trace, root / policy)}
+        print(table({policy: rows[policy]}).splitlines()[-1], file=sys.stderr, flush=True)
+    command = "python -m bench.scale.live_vs_sim " + shlex.join(argv if argv is not None else sys.argv[1:])
+    record = {"kind": "live_vs_sim", "code": code, "command": command, "wall_s": time.monotonic() - t0,
+              "trace": str(args.trace), "requests": n, "max_output_tokens": args.max_output_tokens,
+              "instances": {"prefill": args.prefill, "decode": args.decode}, "profile": "analytic-gpu",
+              "policies": rows}  # fmt: skip
+    (out / "live_vs_sim.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "live_vs_sim.md").write_text(
+        f"Live emulated cluster vs. `bench.sim`: {n} requests of `{args.trace.name}` (outputs capped at "
+        f"{args.max_output_tokens} tokens), {args.prefill}P+{args.decode}D, analytic-gpu profile, no SLO admission; "
+        f"code {code}; `{command}`\n\n{table(rows)}"
+    )
+    print(table(rows))
+    print(f"wrote {out}/live_vs_sim.{{json,md}} in {record['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -137,12 +137,18 @@ class ClusterView:
         In flight: a draining worker's streams, and the next call of a request already planned there.
         """
         loop = asyncio.get_running_loop()
-        handle = loop.call_later(CHANNEL_CLOSE_GRACE_S, lambda: asyncio.ensure_future(view.channel.close()))
+        handle = loop.call_later(CHANNEL_CLOSE_GRACE_S, self._close_departed, view)
         previous = self._departed.pop(view.instance_id, None)
         if previous is not None:
             previous[1].cancel()
             asyncio.ensure_future(previous[0].channel.close())
         self._departed[view.instance_id] = (view, handle)
+
+    def _close_departed(self, view: InstanceView) -> None:
+        """The grace is over: close the channel and forget the view (a later registration starts afresh)."""
+        if self._departed.get(view.instance_id, (None,))[0] is view:
+            del self._departed[view.instance_id]
+        asyncio.ensure_future(view.channel.close())
 
     def _rejoin(self, instance_id: str, address: str) -> InstanceView | None:
         """The departed view of an instance registering again at the same address (its channel, its bookings)."""

@@ -22,8 +22,8 @@ them with compute.
 Modeled link. An emulated engine (``engine.emulated_runner``) keeps a few bytes per token where the
 model it emulates keeps hundreds of KiB, so its KV crosses loopback almost for free. Given
 ``link_floor`` (seconds as a function of the bytes moved), a transfer moves the real bytes and then
-waits out the rest of the modeled time, so transfers, probes and the link models fitted from them all
-see the emulated link.
+waits out the rest of the modeled time, so transfers and the link models fitted from them see the
+emulated link.
 """
 
 import threading
@@ -149,10 +149,6 @@ class KVTransferEngine:
             self._counts.bytes_read += result.bytes
             self._counts.blocks_read += result.blocks
         return result
-
-    def probe(self, peer_endpoint: str, local_addr: int, remote_addr: int, nbytes: int) -> float:
-        """Time one write of `nbytes` to the peer; return seconds (not counted in counters)."""
-        return self._transfer("write", peer_endpoint, [local_addr], [remote_addr], nbytes).seconds
 
     def _transfer(self, op: str, peer: str, local: Sequence[int], remote: Sequence[int], length: int) -> TransferResult:
         if len(local) != len(remote):

@@ -74,3 +74,19 @@ async def test_an_instance_back_after_its_lease_expired_keeps_its_channel_and_bo
     view._apply(InstanceEvent("delete", "decode", "decode-0", None))
     view._apply(_put("decode-0", 9))  # another address: a new process, a new channel
     assert view.instances["decode-0"].channel is not before.channel
+
+
+async def test_a_departed_instances_channel_closes_after_its_grace_and_the_view_is_forgotten(monkeypatch):
+    from services.conductor import cluster_view
+
+    monkeypatch.setattr(cluster_view, "CHANNEL_CLOSE_GRACE_S", 0.05)
+    view = _view("decode-0")
+    departed = view.instances["decode-0"]
+    view._apply(InstanceEvent("delete", "decode", "decode-0", None))
+    for _ in range(3000):  # polls for up to 30 s
+        if not view._departed:
+            break
+        await asyncio.sleep(0.01)
+    assert not view._departed
+    view._apply(_put("decode-0", 1))  # back after the grace: a fresh channel, not the closed one
+    assert view.instances["decode-0"].channel is not departed.channel

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -19,6 +21,12 @@ from services.common.instance_record import InstanceRecord, WorkerRecord
 
 MAX_TOKENS = 12
 
+
+# SLOs far beyond any latency here, for tests about behaviour: a busy machine must not turn a long prompt
+# into an admission rejection (admission has its own tests and clusters).
+FAR_SLOS = (
+    "prefill.max_ttft_ms=60000", "colocated.max_ttft_ms=60000", "decode.max_tbt_ms=10000", "colocated.max_tbt_ms=10000",
+)  # fmt: skip
 
 TEST_OVERRIDES = (
     "prefill.kv_cache_memory_mb=64", "decode.kv_cache_memory_mb=64", "colocated.kv_cache_memory_mb=64",
@@ -35,6 +43,16 @@ def launch_cluster(run_dir: Path, model: Path, *overrides: str) -> LocalCluster:
 def stop_cluster(process: subprocess.Popen[bytes]) -> None:
     """Stop a launched cluster."""
     local_cluster.stop(process)
+
+
+@contextmanager
+def running_cluster(run_dir: Path, model: Path, *overrides: str) -> Iterator[LocalCluster]:
+    """``launch_cluster``, stopped when the block ends (also on errors)."""
+    c = launch_cluster(run_dir, model, *overrides)
+    try:
+        yield c
+    finally:
+        stop_cluster(c.process)
 
 
 def grpc_generate(cluster, prompt_ids, deployment, max_tokens=MAX_TOKENS, request_id=""):

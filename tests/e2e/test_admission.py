@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from helpers import launch_cluster, stop_cluster
+from helpers import running_cluster
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 
@@ -34,14 +34,11 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, model_dir):
-    c = launch_cluster(
+    with running_cluster(
         tmp_path_factory.mktemp("admission") / "run", model_dir, "prefill.node_count=1", "decode.node_count=1",
         f"prefill.max_ttft_ms={SLO_MS}", "decode.max_tbt_ms=1000",
-    )  # fmt: skip
-    try:
+    ) as c:  # fmt: skip
         yield c
-    finally:
-        stop_cluster(c.process)
 
 
 async def _one(stub, rng: random.Random) -> Outcome:

@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers import launch_cluster, stop_cluster
+from helpers import running_cluster
 
 from bench.compare.routers import (
     Contender,
@@ -33,11 +33,10 @@ def colocated(tmp_path_factory, model_dir):
     if ROUTER is None:
         pytest.skip(NO_ROUTER)
     run_dir = tmp_path_factory.mktemp("routers") / "run"
-    c = launch_cluster(run_dir, model_dir, "prefill.node_count=0", "decode.node_count=0", "colocated.node_count=2")
-    try:
+    with running_cluster(
+        run_dir, model_dir, "prefill.node_count=0", "decode.node_count=0", "colocated.node_count=2"
+    ) as c:
         yield c
-    finally:
-        stop_cluster(c.process)
 
 
 def _through_router(cluster, policy: str, requests, log_dir: Path):

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 
-from helpers import launch_cluster, stop_cluster
+from helpers import running_cluster
 
 from cli.main import main
 
 
 def test_bench_serve_against_a_cluster(tmp_path, model_dir):
-    cluster = launch_cluster(tmp_path / "run", model_dir, "prefill.node_count=1", "decode.node_count=1")
     out = tmp_path / "serve.json"
-    try:
+    with running_cluster(tmp_path / "run", model_dir, "prefill.node_count=1", "decode.node_count=1") as cluster:
         args = ["bench", "serve", "--base-url", cluster.rest, "--model", "tiny-llama", "--workload", "shared-prefix",
                 "--num-prefixes", "2", "--suffixes-per-prefix", "3", "--prefix-len", "64", "--suffix-len", "8",
                 "--output-len", "4", "--concurrency", "2", "--quiet", "--out", str(out)]  # fmt: skip
         assert main(args) == 0
-    finally:
-        stop_cluster(cluster.process)
     summary = json.loads(out.read_text())["summary"]
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["ttft_ms"]["median"] > 0

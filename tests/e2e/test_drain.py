@@ -12,7 +12,14 @@ import time
 import grpc
 import httpx
 import pytest
-from helpers import address_of, launch_cluster, reference_tokens, run_load, spawn, stop_cluster, wait_registered
+from helpers import (
+    address_of,
+    reference_tokens,
+    run_load,
+    running_cluster,
+    spawn,
+    wait_registered,
+)
 
 from kvconductor.v1 import worker_pb2, worker_pb2_grpc
 
@@ -21,14 +28,11 @@ from kvconductor.v1 import worker_pb2, worker_pb2_grpc
 def drained(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("drain")
     # No grace: the drain cuts whatever is in flight, so every drain exercises resumption elsewhere.
-    c = launch_cluster(
+    with running_cluster(
         root / "run", model_dir, "prefill.node_count=1", "decode.node_count=1", "cluster.drain_grace_s=0"
-    )
-    c.extra, c.scratch = [], root
-    try:
+    ) as c:
+        c.extra, c.scratch = [], root
         yield c
-    finally:
-        stop_cluster(c.process)
         for process in c.extra:
             process.terminate()
             process.wait(timeout=30)

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import (
+    FAR_SLOS,
     bytes_per_block,
     grpc_generate,
-    launch_cluster,
     prefill_booked_on,
-    stop_cluster,
+    running_cluster,
     wait_indexed,
     worker_loads,
 )
@@ -34,18 +34,14 @@ TIME_SCALE = 1.0
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory, model_dir):
-    c = launch_cluster(
+    with running_cluster(
         tmp_path_factory.mktemp("emulated") / "run", model_dir, 'engine.backend="emulated"',
         'emulation.profile="analytic-gpu"', f"emulation.time_scale={TIME_SCALE}", "emulation.kv_bytes_per_token=64",
         "prefill.node_count=2", "decode.node_count=1", "colocated.node_count=1",
         "prefill.max_num_batched_tokens=8192", "colocated.max_num_batched_tokens=8192",
-        "prefill.max_ttft_ms=60000", "decode.max_tbt_ms=10000", "colocated.max_ttft_ms=60000",
-        "colocated.max_tbt_ms=10000",
-    )  # fmt: skip
-    try:
+        *FAR_SLOS,
+    ) as c:  # fmt: skip
         yield c
-    finally:
-        stop_cluster(c.process)
 
 
 def _prompt(rng, n):

@@ -17,11 +17,10 @@ from helpers import (
     grpc_generate,
     kill_decode_worker_mid_stream,
     kvmeta_matches,
-    launch_cluster,
     reference_tokens,
     run_load,
+    running_cluster,
     spawn,
-    stop_cluster,
     wait_registered,
 )
 
@@ -36,16 +35,13 @@ PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("faults")
-    c = launch_cluster(
+    with running_cluster(
         root / "run", model_dir, "prefill.node_count=2", "decode.node_count=2",
         "scheduler.kv_cache_balancing_threshold=inf",
-    )  # fmt: skip
-    c.extra = []  # processes and etcd servers the tests start
-    c.scratch = root
-    try:
+    ) as c:  # fmt: skip
+        c.extra = []  # processes and etcd servers the tests start
+        c.scratch = root
         yield c
-    finally:
-        stop_cluster(c.process)
         for extra in c.extra:
             extra.terminate() if hasattr(extra, "terminate") else extra.stop()
 

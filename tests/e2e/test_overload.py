@@ -11,7 +11,7 @@ import time
 
 import openai
 import pytest
-from helpers import launch_cluster, stop_cluster
+from helpers import running_cluster
 
 from cli.client import ConductorClient
 
@@ -25,14 +25,11 @@ TOLERANCE = 2.5 if os.environ.get("CPU_HOGS") else 1.5
 
 @pytest.fixture(scope="module")
 def slo_cluster(tmp_path_factory, model_dir):
-    c = launch_cluster(
+    with running_cluster(
         tmp_path_factory.mktemp("overload") / "run", model_dir, "prefill.node_count=1", "decode.node_count=1",
         f"prefill.max_ttft_ms={MAX_TTFT_S * 1e3}", f"decode.max_tbt_ms={MAX_TBT_S * 1e3}",
-    )  # fmt: skip
-    try:
+    ) as c:  # fmt: skip
         yield c
-    finally:
-        stop_cluster(c.process)
 
 
 async def _one(client, request_id, prompt):

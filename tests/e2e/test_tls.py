@@ -9,7 +9,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from helpers import launch_cluster, stop_cluster
+from helpers import running_cluster
 
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
 
@@ -34,16 +34,13 @@ def pki(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory, model_dir, pki):
-    c = launch_cluster(
+    with running_cluster(
         tmp_path_factory.mktemp("tls") / "run", model_dir, "prefill.node_count=1", "decode.node_count=1",
         f'cluster.tls_cert_file="{pki / "node.pem"}"', f'cluster.tls_key_file="{pki / "node.key"}"',
         f'cluster.tls_ca_file="{pki / "ca.pem"}"', f'gateway.tls_cert_file="{pki / "node.pem"}"',
         f'gateway.tls_key_file="{pki / "node.key"}"',
-    )  # fmt: skip
-    try:
+    ) as c:  # fmt: skip
         yield c
-    finally:
-        stop_cluster(c.process)
 
 
 def test_rest_over_https(tls_cluster, pki):

@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import (
+    FAR_SLOS,
     grpc_generate,
     kill_decode_worker_mid_stream,
     kvmeta_matches,
-    launch_cluster,
     prefill_booked_on,
-    stop_cluster,
+    running_cluster,
     wait_indexed,
     worker_loads,
 )
@@ -36,19 +36,15 @@ CHUNK = 64
 
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory, model_dir):
-    c = launch_cluster(
+    with running_cluster(
         tmp_path_factory.mktemp("vllm") / "run", model_dir, 'engine.backend="vllm"',
         "prefill.node_count=2", "decode.node_count=2", "colocated.node_count=1",
         *(f"{pool}.prefix_cache_block_size={BLOCK}" for pool in ("prefill", "decode", "colocated")),
         f"prefill.max_num_batched_tokens={CHUNK}", f"colocated.max_num_batched_tokens={CHUNK}",
-        "prefill.max_ttft_ms=60000", "decode.max_tbt_ms=10000", "colocated.max_ttft_ms=60000",
-        "colocated.max_tbt_ms=10000",
+        *FAR_SLOS,
         "cluster.lease_ttl_s=6",  # five vLLM instances starting on two cores can starve etcd's lease keep-alives
-    )  # fmt: skip
-    try:
+    ) as c:  # fmt: skip
         yield c
-    finally:
-        stop_cluster(c.process)
 
 
 def _prompts(seed, count, low=40, high=300):

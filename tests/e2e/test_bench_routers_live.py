@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import running_cluster
 
-from bench.compare.routers import (
-    Contender,
-    cluster_workers,
-    router_available,
-    running_router,
-    scrape_all,
-    worker_deltas,
-)
+from bench.compare.peers import Contender, router_available, running_router
+from bench.compare.worker_metrics import cluster_workers, scrape_all, worker_deltas
 from bench.serve.runner import Target, run
 from bench.serve.workloads import shared_prefix
 

@@ -6,15 +6,9 @@ import argparse
 
 import pytest
 
-from bench.compare.routers import (
-    Level,
-    conductor_policy,
-    levels,
-    parse_contender,
-    router_command,
-    worker_deltas,
-    workers_markdown,
-)
+from bench.compare.peers import parse_contender, router_command
+from bench.compare.routers import Level, conductor_policy, levels, workers_markdown
+from bench.compare.worker_metrics import worker_deltas
 
 
 def test_contender_specs():

@@ -216,9 +216,11 @@ class SchedulerConfig:
     early_rejection: str = "prediction"
     # A request whose worker fails (dies, drains, loses its link) resumes on another one, this many times in all.
     max_attempts: int = 3
-    # Progress watchdog: a prefill (or a decode stream) that makes no progress for
+    # Progress watchdog: a prefill (or a gap in a decode stream) longer than the bound
     #   max(stall_timeout_s, stall_factor x its predicted time)
-    # is abandoned on that worker and resumed elsewhere; the worker gets no new work until it shows progress.
+    # is abandoned on that worker and resumed elsewhere unless the worker's engine loop turned during the bound
+    # (a slow engine, not a frozen one), for stall_factor bounds at most; a stalled worker gets no new work
+    # until its engine shows progress.
     stall_timeout_s: float = 15.0
     stall_factor: float = 4.0
     # A request that finds no worker for its deployment waits this long for one to register (again) before

@@ -60,6 +60,11 @@ class InstanceView:
         """Stub of the Colocated service."""
         return colocated_pb2_grpc.ColocatedStub(self.channel)
 
+    @property
+    def worker_stub(self) -> worker_pb2_grpc.WorkerStub:
+        """Stub of the Worker service (load, heartbeat, drain)."""
+        return worker_pb2_grpc.WorkerStub(self.channel)
+
 
 def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
     """The core's state from a record; bookings carry over from the instance's previous record."""
@@ -234,9 +239,7 @@ class ClusterView:
             self._suspects.pop(instance_id, None)
             return
         try:
-            load = await worker_pb2_grpc.WorkerStub(view.channel).GetLoad(
-                worker_pb2.GetLoadRequest(), timeout=timeout_s
-            )
+            load = await view.worker_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return  # no answer is no progress
         seen = self._suspects.get(instance_id)

@@ -34,6 +34,7 @@ from kvconductor.v1 import (
     kvmeta_pb2,
     kvmeta_pb2_grpc,
     prefill_pb2,
+    worker_pb2,
 )
 from scheduler.booking import request_blocks
 from scheduler.core import ConductorCore
@@ -349,7 +350,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     )
                 )
                 try:
-                    async for chunk in self._watch(call, d.instance_id, "decode", plan.tbt, plan.tbt):
+                    async for chunk in self._watch(call, d, "decode", plan.tbt, plan.tbt):
                         yield Piece(list(chunk.token_ids), chunk.finish_reason)
                     decoded = True
                 finally:
@@ -365,9 +366,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return max(s.stall_timeout_s, s.stall_factor * predicted_s)
 
     async def _watch(
-        self, call: AsyncIterator[Any], instance_id: str, phase: str, first_s: float, next_s: float
+        self, call: AsyncIterator[Any], view: InstanceView, phase: str, first_s: float, next_s: float
     ) -> AsyncIterator[Any]:
-        """A worker's stream under the progress watchdog: each message must come within its bound.
+        """A worker's stream under the progress watchdog (``_unless_stalled``) for each message.
 
         ``first_s`` and ``next_s`` are the predicted times to the first message and between later ones.
         """
@@ -375,13 +376,37 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         bound = self._stall_bound(first_s)
         while True:
             try:
-                message = await asyncio.wait_for(anext(messages), bound)
+                message = await self._unless_stalled(asyncio.ensure_future(anext(messages)), view, phase, bound)
             except StopAsyncIteration:
                 return
-            except TimeoutError:
-                raise self._stalled(instance_id, phase, bound) from None
             yield message
             bound = self._stall_bound(next_s)
+
+    async def _unless_stalled(self, pending: asyncio.Future[Any], view: InstanceView, phase: str, bound: float) -> Any:
+        """``pending``'s result, unless the worker stalls: the progress watchdog.
+
+        After each ``bound`` seconds without the result, the worker's engine must have turned within them (its
+        heartbeat, from ``GetLoad``): a busy engine (a long prompt on a loaded machine, the requests queued ahead)
+        keeps the request, for ``stall_factor`` bounds at most; a frozen or unreachable one loses it.
+        """
+        try:
+            for _ in range(math.ceil(self.config.scheduler.stall_factor)):
+                done, _ = await asyncio.wait({pending}, timeout=bound)
+                if done:
+                    return pending.result()
+                if not await self._engine_turned(view, bound):
+                    break
+            raise self._stalled(view.instance_id, phase, bound)
+        finally:
+            pending.cancel()  # a no-op once done
+
+    async def _engine_turned(self, view: InstanceView, within_s: float) -> bool:
+        """Whether the worker's engine loop turned in the last ``within_s`` seconds."""
+        try:
+            load = await view.worker_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=min(within_s, 5.0))
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(load.engine_heartbeat_age_s < within_s)
 
     def _stalled(self, instance_id: str, phase: str, bound: float) -> WorkerFailure:
         log.warning("no %s progress on %s for %.1f s (the watchdog's bound): abandoning it there", phase,
@@ -415,7 +440,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 )
                 request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
             # A failed write into d's blocks is d's (or the link's) failure, not p's.
-            response: prefill_pb2.PrefillResponse = await p.prefill_stub.Prefill(request, timeout=bound)
+            call = p.prefill_stub.Prefill(request, timeout=bound * (self.config.scheduler.stall_factor + 1))
+            response: prefill_pb2.PrefillResponse = await self._unless_stalled(
+                asyncio.ensure_future(call), p, "prefill", bound
+            )
         except grpc.aio.AioRpcError as e:
             self._release_reservation(job, d)
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the watchdog's deadline
@@ -491,7 +519,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         with blame(c.instance_id):
             call = c.colocated_stub.Generate(request)
             try:
-                async for chunk in self._watch(call, c.instance_id, "colocated", plan.prefill.ttft, plan.tbt):
+                async for chunk in self._watch(call, c, "colocated", plan.prefill.ttft, plan.tbt):
                     self.core.prefill_done(c.state, job.request_id, time.monotonic())
                     self.core.decode_started(c.state, job.request_id, time.monotonic())
                     yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)

@@ -111,12 +111,17 @@ def address_of(cluster, instance_id):
     return next(i.address for i in status.instances if i.instance_id == instance_id)
 
 
-def bytes_per_block(cluster):
+def worker_record(cluster, role):
+    """The etcd record of the first worker of ``role``, as the Conductor sees it."""
     with grpc.insecure_channel(cluster.conductor) as channel:
         status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
-    record = InstanceRecord.from_json(json.loads(next(i.record_json for i in status.instances if i.role == "decode")))
+    record = InstanceRecord.from_json(json.loads(next(i.record_json for i in status.instances if i.role == role)))
     assert isinstance(record, WorkerRecord)
-    return record.kv_layout.bytes_per_block
+    return record
+
+
+def bytes_per_block(cluster):
+    return worker_record(cluster, "decode").kv_layout.bytes_per_block
 
 
 def kvmeta_matches(cluster, block_hashes, timeout=30):

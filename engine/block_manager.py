@@ -14,6 +14,15 @@ Invariants:
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class StoredBlock(NamedTuple):
+    """A KV event: a block entered the prefix cache (what vLLM's ``BlockStored`` says of one block)."""
+
+    block_hash: bytes  # chained: it covers every token up to the end of this block
+    parent_hash: bytes | None  # the previous block's hash; None for a prompt's first block
+    token_ids: tuple[int, ...]  # the block's own tokens
 
 
 @dataclass
@@ -38,7 +47,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         # Net changes since the last pop_events (a hash stored then removed cancels out).
-        self._stored: dict[bytes, None] = {}
+        self._stored: dict[bytes, StoredBlock] = {}
         self._removed: dict[bytes, None] = {}
         self.num_hit_tokens = 0
         self.num_miss_tokens = 0
@@ -96,11 +105,17 @@ class BlockManager:
         self.num_miss_tokens += num_prompt_tokens - num_cached_tokens
 
     def commit_full_blocks(
-        self, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: Sequence[int], start: int
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        start: int,
+        parent_hash: bytes | None = None,
     ) -> None:
         """Register blocks ``start..len(block_hashes)-1`` (block i holds ``token_ids[i*bs:(i+1)*bs]``).
 
-        A hash already cached in another block keeps that block; this one stays uncached.
+        ``parent_hash`` is the hash of the block before ``block_hashes[0]`` (None: that is a prompt's first
+        block). A hash already cached in another block keeps that block; this one stays uncached.
         """
         if not self.enable_prefix_caching:
             return
@@ -114,7 +129,8 @@ class BlockManager:
             if block_hash in self._removed:
                 del self._removed[block_hash]
             else:
-                self._stored[block_hash] = None
+                parent = block_hashes[i - 1] if i > 0 else parent_hash
+                self._stored[block_hash] = StoredBlock(block_hash, parent, block.token_ids)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, tail first, so a request's last blocks are evicted first."""
@@ -128,9 +144,9 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def pop_events(self) -> tuple[list[bytes], list[bytes]]:
-        """Return and clear (hashes stored, hashes removed) since the last call."""
-        events = (list(self._stored), list(self._removed))
+    def pop_events(self) -> tuple[list[StoredBlock], list[bytes]]:
+        """Return and clear (blocks stored, in the order cached; hashes removed) since the last call."""
+        events = (list(self._stored.values()), list(self._removed))
         self._stored.clear()
         self._removed.clear()
         return events

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, StoredBlock
 from engine.checkpoint import load_checkpoint, load_model_config
 from engine.emulated_runner import EmulatedRunner, Emulation
 from engine.kv_pool import KVPool
@@ -202,8 +202,8 @@ class LLMEngine:
         with self._lock:
             self.block_manager.num_hit_tokens = self.block_manager.num_miss_tokens = 0
 
-    def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """Return and clear the (stored, removed) block hashes since the last call."""
+    def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
+        """Return and clear the blocks stored and the block hashes removed since the last call."""
         with self._lock:
             return self.block_manager.pop_events()
 
@@ -227,15 +227,20 @@ class LLMEngine:
             return self.block_manager.allocate(num_blocks)
 
     def commit_imported_blocks(
-        self, block_ids: Sequence[int], block_hashes: Sequence[bytes], token_ids: Sequence[int]
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        parent_hash: bytes | None = None,
     ) -> None:
         """Put blocks filled with a peer's KV into the prefix cache and drop the import's reference.
 
-        Block i holds ``token_ids[i*bs:(i+1)*bs]`` with hash ``block_hashes[i]``; the blocks stay
-        cached (and are announced as stored) until evicted.
+        Block i holds ``token_ids[i*bs:(i+1)*bs]`` with hash ``block_hashes[i]``; ``parent_hash`` is the
+        hash of the block before the first (None: the prompt's first block). The blocks stay cached (and
+        are announced as stored) until evicted.
         """
         with self._lock:
-            self.block_manager.commit_full_blocks(block_ids, block_hashes, token_ids, 0)
+            self.block_manager.commit_full_blocks(block_ids, block_hashes, token_ids, 0, parent_hash)
             self.block_manager.free(block_ids)
 
     def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
 
+from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
@@ -127,7 +128,7 @@ class FakeEngine:
     async def abandon_import(self, imported: ImportedBlocks) -> None:
         self.free += imported.held + imported.targets
 
-    async def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+    async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         return [], []
 
     async def load(self) -> EngineLoad:

@@ -33,9 +33,10 @@ SERVER_READY_TIMEOUT_S = 300.0
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 15.0
 HOST = "127.0.0.1"
-# Why kv_aware is degraded here (from vllm-router's own start-up warnings, see its log).
-KV_AWARE_NOTE = ("no KV events: our workers publish block events to kvmeta, not vLLM's ZMQ KV events, and answer "
-                 "404 to /get_server_info and /kv_event_sources, so vllm-router's kv index stays empty")  # fmt: skip
+# Why kv_aware is degraded on a cluster whose workers publish no ZMQ KV events (--cluster-json of one started
+# without [engine] zmq_kv_events): vllm-router's kv index stays empty.
+KV_AWARE_NOTE = ("no KV events: the workers publish none in vLLM's ZMQ format ([engine] zmq_kv_events is off), "
+                 "so vllm-router's kv index stays empty")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ these contenders, one after the other:
 - ``sglang:POLICY`` / ``vllm:POLICY``: ``python -m sglang_router.launch_router`` or
   ``python -m vllm_router.launch_router`` (the PyPI packages ``sglang-router`` and ``vllm-router``)
   started on a free port with ``--worker-urls`` = every worker's ``openai_url`` (the OpenAI API each
-  colocated worker serves itself, read from its etcd record), then stopped after its runs.
+  colocated worker serves itself, read from its etcd record), then stopped after its runs. The clusters
+  run with ``[engine] zmq_kv_events``, so ``vllm:kv_aware`` subscribes to every worker's KV events in
+  vLLM's ZMQ format (``--kv-event-source URL=ENDPOINT``, the endpoint from the worker's etcd record).
 
 Two more deployments use the same two worker slots (one engine each), started after the colocated cluster
 is stopped:
@@ -201,7 +203,8 @@ def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> I
     if args.cluster_json and deployment == "colocated":
         yield json.loads(Path(args.cluster_json).read_text())
         return
-    overrides = [*args.model_overrides, *args.set, *DEPLOYMENTS[deployment](args.workers)]
+    # the workers' KV events in vLLM's ZMQ format too, for vllm-router's kv_aware policy
+    overrides = [*args.model_overrides, "engine.zmq_kv_events=true", *args.set, *DEPLOYMENTS[deployment](args.workers)]
     print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
@@ -214,12 +217,22 @@ def _one(contender: Contender, i: int, args: argparse.Namespace, front: dict[str
         return run_contender(contender, i, args, front["rest"], front["workers"])
     log = root / f"{contender.router}-{contender.policy}.log"
     print(f"[routers] starting {contender.label} (log {log}) ...", file=sys.stderr, flush=True)
-    with running_router(contender, front["router_args"], log) as base_url:
+    router_args = front["router_args"] + (front["kv_event_args"] if contender.spec == "vllm:kv_aware" else [])
+    with running_router(contender, router_args, log) as base_url:
         if contender.deployment != "colocated":
             warm_up([base_url], args.model)
         result = run_contender(contender, i, args, base_url, front["workers"])
     result["log"] = str(log)
     return result
+
+
+def kv_event_args(workers: Sequence[WorkerInfo], model: str) -> list[str]:
+    """vllm-router's flags that subscribe it to each worker's ZMQ KV events (none if the workers publish none)."""
+    sources = [f"{w.openai_url}={w.kv_events_endpoint}" for w in workers if w.kv_events_endpoint]
+    if not sources:
+        return []
+    return [*(a for s in sources for a in ("--kv-event-source", s)), "--kv-event-block-size",
+            str(workers[0].block_size), "--kv-event-model", model]  # fmt: skip
 
 
 @contextmanager
@@ -228,7 +241,8 @@ def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iter
     if deployment == "vllm-pd":
         t0 = time.monotonic()
         with stock_vllm_pd(args, root / deployment) as router_args:
-            yield {"workers": [], "rest": None, "router_args": router_args, "startup_s": time.monotonic() - t0}
+            yield {"workers": [], "rest": None, "router_args": router_args, "kv_event_args": [],
+                   "startup_s": time.monotonic() - t0}  # fmt: skip
         return
     with cluster_manifest(args, root, deployment) as manifest:
         workers = cluster_workers(manifest, deployment)
@@ -237,7 +251,8 @@ def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iter
         rest = manifest["rest"].rstrip("/")
         warm_up([w.openai_url + "/v1" for w in workers] if deployment == "colocated" else [rest], args.model)
         yield {"workers": workers, "rest": rest, "startup_s": manifest.get("startup_s"),
-               "router_args": ["--worker-urls", *(w.openai_url for w in workers)]}  # fmt: skip
+               "router_args": ["--worker-urls", *(w.openai_url for w in workers)],
+               "kv_event_args": kv_event_args(workers, args.model)}  # fmt: skip
 
 
 def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -263,7 +278,11 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 except (RuntimeError, ValueError, httpx.HTTPError) as e:
                     results[contender.spec] = {"label": contender.label, "failed": f"{type(e).__name__}: {e}"}
                     print(f"[routers] {contender.label} failed: {e}", file=sys.stderr, flush=True)
-                if contender.spec == "vllm:kv_aware" and "levels" in results[contender.spec]:
+                if (
+                    contender.spec == "vllm:kv_aware"
+                    and "levels" in results[contender.spec]
+                    and not front["kv_event_args"]
+                ):
                     results[contender.spec]["note"] = KV_AWARE_NOTE
     return {"deployments": deployments, "contenders": results}
 

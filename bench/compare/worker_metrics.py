@@ -17,6 +17,8 @@ class WorkerInfo:
     instance_id: str
     openai_url: str
     metrics_address: str
+    kv_events_endpoint: str = ""  # its KV events in vLLM's ZMQ format, when the cluster publishes them
+    block_size: int = 16
 
 
 def cluster_workers(manifest: dict[str, Any], deployment: str = "colocated") -> list[WorkerInfo]:
@@ -31,7 +33,9 @@ def cluster_workers(manifest: dict[str, Any], deployment: str = "colocated") -> 
     registry = Registry(manifest["etcd"], manifest["cluster"])
     roles = ("colocated",) if deployment == "colocated" else ("prefill", "decode")
     workers = [
-        WorkerInfo(instance_id, record.openai_url, record.metrics_address)
+        WorkerInfo(
+            instance_id, record.openai_url, record.metrics_address, record.kv_events_endpoint, record.block_size
+        )  # fmt: skip
         for role in roles
         for (_, instance_id), record in sorted(registry.list(role).items())
         if isinstance(record, WorkerRecord) and (record.openai_url or deployment != "colocated")

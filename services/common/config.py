@@ -120,6 +120,9 @@ class EngineConfig:
     # EngineCore in a child), prompt KV moved by vLLM's MooncakeConnector, KV events from vLLM's cache;
     # "emulated": the built-in engine with its forward pass replaced by a wait from [emulation] profile
     backend: str = "builtin"
+    # Also publish each worker's KV events in vLLM's ZMQ format (a PUB socket, named in its etcd record as
+    # kv_events_endpoint), for routers that consume vLLM's events: vllm-router's kv_aware policy
+    zmq_kv_events: bool = False
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""

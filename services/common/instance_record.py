@@ -104,6 +104,7 @@ class WorkerRecord(InstanceRecord):
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint ("" for others)
     engine: str = "builtin"  # [engine] backend: "builtin", "vllm" or "emulated"
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server (http://host:port)
+    kv_events_endpoint: str = ""  # its KV events in vLLM's ZMQ format ([engine] zmq_kv_events), tcp://host:port
 
     @property
     def exports_kv(self) -> bool:
@@ -128,4 +129,5 @@ class WorkerRecord(InstanceRecord):
             max_concurrent_requests=int(data["max_concurrent_requests"]), kv_layout=KVShape(**data["kv_layout"]),
             cost_model=CostModels.from_json(data["cost_model"]), openai_url=str(data.get("openai_url", "")),
             engine=str(data.get("engine", "builtin")), kv_bootstrap=str(data.get("kv_bootstrap", "")),
+            kv_events_endpoint=str(data.get("kv_events_endpoint", "")),
         )  # fmt: skip

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
+from engine.block_manager import StoredBlock
 from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
@@ -170,8 +171,8 @@ class BuiltinEngine:
         with contextlib.suppress(EngineDied):
             await asyncio.shield(self._loop.call(abandon))
 
-    async def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """Stored and removed block hashes since the last call."""
+    async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
+        """Blocks stored and block hashes removed since the last call."""
         return await self._loop.call_now(lambda e: e.pop_kv_events())
 
     async def load(self) -> EngineLoad:
@@ -200,7 +201,10 @@ def _commit(e: LLMEngine, imported: ImportedBlocks) -> None:
     first, last = len(imported.held), len(imported.held) + imported.num_copied
     copied = imported.targets[: imported.num_copied]
     if copied:
-        e.commit_imported_blocks(copied, imported.block_hashes[first:last], imported.token_ids[first * bs : last * bs])
+        parent = imported.block_hashes[first - 1] if first else None
+        e.commit_imported_blocks(
+            copied, imported.block_hashes[first:last], imported.token_ids[first * bs : last * bs], parent
+        )
     e.unpin_blocks(imported.targets[imported.num_copied :])
 
 

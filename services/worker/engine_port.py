@@ -24,6 +24,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 from services.worker.engine_loop import EngineDied
@@ -170,8 +171,8 @@ class EnginePort(Protocol):
     async def abandon_import(self, imported: ImportedBlocks) -> None:
         """Give back a KV copy's blocks when its request will not run (copied ones stay cached)."""
 
-    async def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """(stored, removed) block hashes since the last call."""
+    async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
+        """(blocks stored, hashes of blocks removed) since the last call."""
 
     async def load(self) -> EngineLoad:
         """Queue, batch, free blocks and prefix-cache counters, now (without waiting for a step)."""

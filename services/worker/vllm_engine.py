@@ -34,6 +34,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from engine.block_hash import hash_block
+from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 from services.common.config import Config, WorkerConfig
@@ -267,8 +268,8 @@ class VllmEngine:
     async def abandon_import(self, imported: ImportedBlocks) -> None:
         """Nothing was imported."""
 
-    async def pop_kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """Stored and removed block hashes (ours) since the last call."""
+    async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
+        """Blocks stored and block hashes removed (ours) since the last call."""
         return self.events.pop()
 
     async def load(self) -> EngineLoad:
@@ -352,7 +353,7 @@ class KVEventTranslator:
         self.block_size = block_size
         self.endpoint = ""
         self._ours: dict[Any, bytes] = {}
-        self._stored: list[bytes] = []
+        self._stored: list[StoredBlock] = []
         self._removed: list[bytes] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -412,15 +413,16 @@ class KVEventTranslator:
                 return
         size = event.block_size
         for i, theirs in enumerate(event.block_hashes):
-            tokens = event.token_ids[i * size : (i + 1) * size]
+            tokens = tuple(event.token_ids[i * size : (i + 1) * size])
             if len(tokens) < size:
                 return
-            parent = hash_block(parent, tokens)
-            self._ours[theirs] = parent
-            self._stored.append(parent)
+            ours = hash_block(parent, tokens)
+            self._ours[theirs] = ours
+            self._stored.append(StoredBlock(ours, parent, tokens))
+            parent = ours
 
-    def pop(self) -> tuple[list[bytes], list[bytes]]:
-        """Stored and removed hashes since the last call."""
+    def pop(self) -> tuple[list[StoredBlock], list[bytes]]:
+        """Blocks stored and hashes removed since the last call."""
         with self._lock:
             stored, removed = self._stored, self._removed
             self._stored, self._removed = [], []

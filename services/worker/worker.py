@@ -29,6 +29,7 @@ from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_port import EnginePort
 from services.worker.kv_events import KvEventPublisher
 from services.worker.transfer import KVTransferEngine
+from services.worker.zmq_kv_events import ZmqKvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Worker:
     metrics_address: str = ""
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint, once it listens
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server
+    zmq_events: ZmqKvEventPublisher | None = None  # [engine] zmq_kv_events
 
     def record(self, address: str, metrics_address: str) -> WorkerRecord:
         """The etcd record describing this instance."""
@@ -68,6 +70,7 @@ class Worker:
                               layout.bytes_per_block),
             cost_model=CostModels(self.prefill_model, self.decode_model, self.refiner.profile_models()),
             openai_url=self.openai_url, engine=self.config.engine.backend, kv_bootstrap=self.kv_bootstrap,
+            kv_events_endpoint=self.zmq_events.endpoint if self.zmq_events is not None else "",
         )  # fmt: skip
 
     def services(self) -> list[Service]:
@@ -75,9 +78,11 @@ class Worker:
         return [Service("kvconductor.v1.Worker", WorkerServicer(self), worker_pb2_grpc.add_WorkerServicer_to_server)]
 
     async def publish_kv_events(self, heartbeat: bool = False) -> None:
-        """Send the engine's stored/evicted block hashes to kvmeta."""
+        """Send the engine's stored/evicted block hashes to kvmeta (and the blocks to ZMQ subscribers)."""
         stored, removed = await self.engine.pop_kv_events()
-        await self.events.publish(stored, removed, heartbeat)
+        if self.zmq_events is not None:
+            self.zmq_events.publish(stored, removed)
+        await self.events.publish([b.block_hash for b in stored], removed, heartbeat)
 
     async def heartbeat_kv_events(self, period_s: float = 2.0) -> None:
         """Publish periodically, so kvmeta (re)learns this instance's blocks even when no request comes."""
@@ -99,6 +104,8 @@ class Worker:
         """Stop the engine and the event publisher."""
         await self.engine.close()
         await self.events.close()
+        if self.zmq_events is not None:
+            self.zmq_events.close()
 
 
 async def build_worker(config: Config, role: str, instance_id: str, registry: Registry) -> Worker:
@@ -126,9 +133,10 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     prefill_model, decode_model = refiner.fit()
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
+    zmq_events = ZmqKvEventPublisher(config.cluster.host, config.block_size) if config.engine.zmq_kv_events else None
     return Worker(
         role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
-        decode_model, kv_bootstrap=kv_bootstrap,
+        decode_model, kv_bootstrap=kv_bootstrap, zmq_events=zmq_events,
     )  # fmt: skip
 
 

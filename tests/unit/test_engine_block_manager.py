@@ -1,7 +1,7 @@
 import pytest
 
 from engine.block_hash import prefix_block_hashes
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, StoredBlock
 
 BS = 4
 
@@ -10,6 +10,11 @@ def commit(manager: BlockManager, blocks: list[int], tokens: list[int]) -> list[
     hashes = prefix_block_hashes(tokens, BS)
     manager.commit_full_blocks(blocks, hashes, tokens, 0)
     return hashes
+
+
+def hashes_of(events: tuple[list[StoredBlock], list[bytes]]) -> tuple[list[bytes], list[bytes]]:
+    """(hashes stored, hashes removed) of ``pop_events``."""
+    return [b.block_hash for b in events[0]], events[1]
 
 
 def test_allocation_accounting_is_exact_and_never_partial() -> None:
@@ -87,7 +92,7 @@ def test_duplicate_content_keeps_first_block() -> None:
     hashes = commit(manager, a, [1, 2, 3, 4])
     commit(manager, b, [1, 2, 3, 4])
     assert manager.match_prefix(hashes, [1, 2, 3, 4]) == a
-    assert manager.pop_events() == (hashes, [])
+    assert hashes_of(manager.pop_events()) == (hashes, [])
 
 
 def test_events_report_net_changes() -> None:
@@ -95,18 +100,31 @@ def test_events_report_net_changes() -> None:
     blocks = manager.allocate(1)
     assert blocks is not None
     first = commit(manager, blocks, [1, 2, 3, 4])
-    assert manager.pop_events() == (first, [])
+    assert hashes_of(manager.pop_events()) == (first, [])
     manager.free(blocks)
     reused = manager.allocate(1)  # evicts `first`
     assert reused is not None
     second = commit(manager, reused, [5, 6, 7, 8])
-    assert manager.pop_events() == (second, first)
-    assert manager.pop_events() == ([], [])
+    assert hashes_of(manager.pop_events()) == (second, first)
+    assert hashes_of(manager.pop_events()) == ([], [])
     manager.free(reused)
     third = manager.allocate(1)
     assert third is not None
     commit(manager, third, [5, 6, 7, 8])  # evicted and stored again: nothing changed net
-    assert manager.pop_events() == ([], [])
+    assert hashes_of(manager.pop_events()) == ([], [])
+
+
+def test_a_stored_block_names_its_parent_and_its_own_tokens() -> None:
+    manager = BlockManager(4, BS)
+    blocks = manager.allocate(3)
+    assert blocks is not None
+    tokens = list(range(12))
+    hashes = commit(manager, blocks[:2], tokens[:8])
+    stored, _ = manager.pop_events()
+    assert stored == [StoredBlock(hashes[0], None, (0, 1, 2, 3)), StoredBlock(hashes[1], hashes[0], (4, 5, 6, 7))]
+    later = prefix_block_hashes(tokens, BS)[2:]  # a block imported after two held ones: its parent is given
+    manager.commit_full_blocks(blocks[2:], later, tokens[8:], 0, parent_hash=hashes[1])
+    assert manager.pop_events()[0] == [StoredBlock(later[0], hashes[1], (8, 9, 10, 11))]
 
 
 def test_prefix_caching_disabled() -> None:
@@ -116,7 +134,7 @@ def test_prefix_caching_disabled() -> None:
     hashes = commit(manager, blocks, [1, 2, 3, 4])
     manager.free(blocks)
     assert manager.match_prefix(hashes, [1, 2, 3, 4]) == []
-    assert manager.pop_events() == ([], [])
+    assert hashes_of(manager.pop_events()) == ([], [])
 
 
 def test_hit_and_miss_counters() -> None:

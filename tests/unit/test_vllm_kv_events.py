@@ -7,7 +7,9 @@ import pytest
 from vllm.distributed import kv_events
 
 from engine.block_hash import prefix_block_hashes
+from engine.block_manager import StoredBlock
 from services.worker.vllm_engine import KVEventTranslator
+from services.worker.zmq_kv_events import ZmqKvEventPublisher
 
 pytestmark = pytest.mark.vllm
 BS = 32
@@ -22,13 +24,20 @@ def _stored(hashes, parent, tokens):
                                  lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
 
 
+def _chain(tokens):
+    """The blocks of a prompt as our engine announces them: chained hashes, each with its parent and tokens."""
+    hashes = prefix_block_hashes(tokens, BS)
+    return [StoredBlock(h, hashes[i - 1] if i else None, tuple(tokens[i * BS : (i + 1) * BS]))
+            for i, h in enumerate(hashes)]  # fmt: skip
+
+
 def test_stored_blocks_chain_from_their_parent_and_match_the_conductors_hashes():
     tokens = list(range(100, 100 + 4 * BS))
     ours = prefix_block_hashes(tokens, BS)
     t = KVEventTranslator(BS)
     t.apply_payload(_batch(_stored([b"a", b"b"], None, tokens[: 2 * BS])))
     t.apply_payload(_batch(_stored([b"c", b"d"], b"b", tokens[2 * BS :])))
-    assert t.pop() == (ours, [])
+    assert t.pop() == (_chain(tokens), [])
     t.apply_payload(_batch(kv_events.BlockRemoved(block_hashes=[b"d", b"unknown"], medium="GPU")))
     assert t.pop() == ([], [ours[3]])
     t.apply_payload(_batch(kv_events.AllBlocksCleared()))
@@ -40,3 +49,39 @@ def test_a_block_whose_parent_was_missed_is_not_announced():
     t.apply_payload(_batch(_stored([b"x"], b"never-seen", list(range(BS)))))
     t.apply_payload(b"\xc1 not msgpack")
     assert t.pop() == ([], [])
+
+
+def test_our_zmq_events_decode_as_vllms_and_translate_back_to_the_same_blocks():
+    import zmq
+
+    tokens = list(range(7, 7 + 3 * BS))
+    ours = prefix_block_hashes(tokens, BS)
+    stored = _chain(tokens)
+    publisher = ZmqKvEventPublisher("127.0.0.1", BS)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        sub.connect(publisher.endpoint)
+        frames = None
+        for _ in range(50):  # a PUB drops what it sends before the subscription arrives: resend until one lands
+            publisher.publish(stored, [])
+            try:
+                frames = sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
+        assert frames is not None, "no batch reached the subscriber"
+        topic, seq, payload = frames
+        assert topic == b"" and len(seq) == 8
+        batch = msgspec.msgpack.decode(payload, type=kv_events.KVEventBatch)  # vLLM's own decoder
+        assert [type(e).__name__ for e in batch.events] == ["BlockStored"] * 3
+        t = KVEventTranslator(BS)
+        t.apply(batch.events)
+        assert t.pop() == (stored, [])  # our translator of vLLM's events finds the same chain of blocks
+        publisher.publish([], [ours[2]])
+        removed = msgspec.msgpack.decode(sub.recv_multipart()[2], type=kv_events.KVEventBatch).events
+        assert [(type(e).__name__, e.block_hashes) for e in removed] == [("BlockRemoved", [ours[2]])]
+    finally:
+        sub.close(linger=0)
+        publisher.close()

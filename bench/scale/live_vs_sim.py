@@ -10,13 +10,15 @@ the same analytic A800 profile (``deploy/emulated.toml``: the emulated engine wa
 charges, and its transfers take the profile's link time) and the same instance counts, with SLO
 admission off (every request is served, as ``bench.sim.run`` does by default). Per policy: mean and
 p50/p90 TTFT and the prefix hit rate (reused prompt tokens / prompt tokens) on each side, and the
-live/sim ratio. Writes ``live_vs_sim.{json,md}`` and the trace slice under ``--out``.
+live/sim ratio; for each live cluster, every process's RSS at the end of the replay and its CPU use (cores)
+during it. Writes ``live_vs_sim.{json,md}`` and the trace slice under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -28,6 +30,7 @@ from bench.scale.trace_slice import write_slice
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
 from bench.sim.common import run_one
+from bench.soak.probe import cluster_processes, rss_kib
 from cli.local_cluster import TINY_MODEL, local_cluster
 from scheduler.sim.profiles import analytic_gpu
 from scheduler.sim.simulator import SimConfig
@@ -82,12 +85,35 @@ def live(policy: str, args: argparse.Namespace, trace: Path, run_dir: Path) -> d
             max_output_tokens=args.max_output_tokens, max_input_tokens=1 << 30, time_scale=1.0, seed=0,
             endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=300.0,
         )  # fmt: skip
+        processes = cluster_processes(cluster.manifest, cluster.process.pid)
+        cpu_before, t0 = {key: cpu_seconds(p["pid"]) for key, p in processes.items()}, time.monotonic()
         record = run_benchmark(Target(cluster.rest, "tiny-llama", None, "completions"), bench, quiet=args.quiet)
+        footprint = footprint_of(processes, cpu_before, time.monotonic() - t0)
     s = record["summary"]
     t = s["ttft_ms"]
     return {"ttft_mean": t["mean"] / 1e3, "ttft_p50": t["median"] / 1e3, "ttft_p90": t["p90"] / 1e3,
             "hit_rate": s["prefix_cache_hit_rate"], "completed": s["completed"], "errors": s["errors"],
-            "run_dir": str(run_dir)}  # fmt: skip
+            "run_dir": str(run_dir), "footprint": footprint}  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def footprint_of(processes: dict[str, dict[str, Any]], cpu_before: dict[str, float], seconds: float) -> dict[str, Any]:
+    """RSS (MiB, at the end of the replay) and CPU use (cores, over it) of every process, and their totals."""
+    rows = {}
+    for key, p in processes.items():
+        rss = rss_kib(p["pid"])
+        rows[key] = {"role": p["role"], "rss_mib": (rss or 0) / 1024,
+                     "cpu_cores": (cpu_seconds(p["pid"]) - cpu_before[key]) / seconds}  # fmt: skip
+    total = {key: sum(r[key] for r in rows.values()) for key in ("rss_mib", "cpu_cores")}
+    return {"replay_s": seconds, "processes": rows, "total": total}
 
 
 def ratio(a: float, b: float) -> float:

@@ -116,6 +116,21 @@ def footprint_of(processes: dict[str, dict[str, Any]], cpu_before: dict[str, flo
     return {"replay_s": seconds, "processes": rows, "total": total}
 
 
+def footprint_table(footprint: dict[str, Any]) -> str:
+    """Per role: processes, mean and total RSS (MiB), CPU use (cores) during the replay."""
+    roles: dict[str, list[dict[str, Any]]] = {}
+    for row in footprint["processes"].values():
+        roles.setdefault(row["role"], []).append(row)
+    lines = ["| role | processes | RSS MiB each (mean) | RSS MiB total | CPU cores |", "|---|---:|---:|---:|---:|"]
+    for role, rows in sorted(roles.items()):
+        rss = [r["rss_mib"] for r in rows]
+        lines.append(f"| {role} | {len(rows)} | {sum(rss) / len(rss):.0f} | {sum(rss):.0f} | "
+                     f"{sum(r['cpu_cores'] for r in rows):.2f} |")  # fmt: skip
+    t = footprint["total"]
+    lines.append(f"| all | {len(footprint['processes'])} | | {t['rss_mib']:.0f} | {t['cpu_cores']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
@@ -157,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "live_vs_sim.md").write_text(
         f"Live emulated cluster vs. `bench.sim`: {n} requests of `{args.trace.name}` (outputs capped at "
         f"{args.max_output_tokens} tokens), {args.prefill}P+{args.decode}D, analytic-gpu profile, no SLO admission; "
-        f"code {code}; `{command}`\n\n{table(rows)}"
+        f"code {code}; `{command}`\n\n{table(rows)}\n"
+        + "".join(
+            f"Footprint of the live {policy} cluster during its {r['live']['footprint']['replay_s']:.0f} s "
+            f"replay:\n\n{footprint_table(r['live']['footprint'])}\n"
+            for policy, r in rows.items()
+        )
     )
     print(table(rows))
     print(f"wrote {out}/live_vs_sim.{{json,md}} in {record['wall_s']:.0f} s")

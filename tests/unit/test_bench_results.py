@@ -151,3 +151,21 @@ def test_vllm_compare_readme_prose_numbers_come_from_the_json():
     assert best[1] == "vllm:power_of_two"
     missing = [c for c in claims if c not in readme]
     assert not missing, f"README.md disagrees with the JSON: {missing}"
+
+
+def test_conductor_results_name_clean_code_and_the_readme_says_what_the_json_says():
+    folder = SIM.parent / "conductor"
+    record = json.loads((folder / "conductor.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"]
+    assert record["command"].startswith("python -m bench.conductor.run")
+    readme = (folder / "README.md").read_text()
+    rows = {(r["instances"], r["tokens"]): r for r in record["rows"]}
+    for case in ((64, 32768), (64, 100000), (256, 100000)):
+        r = rows[case]
+        numbers = " | ".join(f"{r[k]:.3f}" for k in ("hash_p50_ms", "match_p50_ms", "schedule_p50_ms",
+                                                     "total_p50_ms", "total_p99_ms"))  # fmt: skip
+        assert f"| {case[0]} | {case[1]:,} | {numbers} |" in readme
+    target = rows[(64, 100000)]["total_p50_ms"]
+    assert target <= 3.0 and f"Met: {target:.2f} ms" in " ".join(readme.split())
+    assert f"(now {rows[(64, 32768)]['total_p50_ms']:.2f} ms)" in readme
+    assert f"{rows[(256, 100000)]['total_p50_ms']:.1f} ms p50" in readme

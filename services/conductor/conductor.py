@@ -417,10 +417,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Reserve on d, prefill on p into d's blocks (copying KV first if planned); release d on failure."""
         tokens, sampling = job.tokens, job.attempt_sampling
         bound = self._stall_bound(plan.prefill.ttft)
+        prefill_deadline = bound * (self.config.scheduler.stall_factor + 1)
         try:
             with blame(d.instance_id):
                 reserve = decode_pb2.ReserveRequest(
-                    request_id=job.worker_request_id, num_prompt_tokens=len(tokens), sampling=sampling
+                    request_id=job.worker_request_id,
+                    num_prompt_tokens=len(tokens),
+                    sampling=sampling,
+                    hold_s=prefill_deadline,  # the longest the prefill may take under the watchdog
                 )
                 if not p.record.exports_kv:  # vLLM: d queues the request now and p's connector pushes the KV
                     reserve.prompt_token_ids.extend(tokens)
@@ -440,7 +444,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 )
                 request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
             # A failed write into d's blocks is d's (or the link's) failure, not p's.
-            call = p.prefill_stub.Prefill(request, timeout=bound * (self.config.scheduler.stall_factor + 1))
+            call = p.prefill_stub.Prefill(request, timeout=prefill_deadline)
             response: prefill_pb2.PrefillResponse = await self._unless_stalled(
                 asyncio.ensure_future(call), p, "prefill", bound
             )

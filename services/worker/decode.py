@@ -8,8 +8,9 @@ Per request::
              prefill and streams every later token
     Release: a reservation that will not be decoded
 
-A reservation whose Decode call has not come within ``kv_transfer_timeout_s`` is released, so a
-prefill that died mid-way cannot pin decode memory.
+A reservation whose Decode call has not come within its ``hold_s`` (the longest the Conductor lets the
+prefill take, its queue included) plus ``kv_transfer_timeout_s`` is released, so a prefill that died
+mid-way with its Conductor cannot pin decode memory (a live Conductor releases it at once).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise ValueError(f"request {rid!r} already holds a reservation")
         if self.released.pop(rid, None) is not None:
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
-        self.reservations[rid] = time.monotonic() + w.config.cluster.kv_transfer_timeout_s
+        # held through the prefill the Conductor plans (its queue included), then kv_transfer_timeout_s
+        self.reservations[rid] = time.monotonic() + max(0.0, request.hold_s) + w.config.cluster.kv_transfer_timeout_s
         remote = request.remote_prefill
         remote_prefill = RemotePrefill(remote.engine_id, remote.bootstrap_addr) if remote.engine_id else None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -114,3 +115,13 @@ async def test_a_reserve_cancelled_mid_way_is_released_by_its_release(served):
     call.cancel()
     await served.stub.Release(decode_pb2.ReleaseRequest(request_id="cut"))
     await _all_free(served.engine)
+
+
+async def test_a_reservation_is_held_through_the_prefill_the_conductor_planned(served):
+    request = decode_pb2.ReserveRequest(request_id="long", num_prompt_tokens=len(PROMPT), sampling=_sampling(),
+                                        hold_s=600.0)  # fmt: skip
+    await served.stub.Reserve(request)
+    held_until = served.servicer.reservations["long"] - time.monotonic()
+    assert held_until > 600  # a prefill queued for minutes still finds its reservation (30 s alone before)
+    await _reserve(served.stub, "short")
+    assert served.servicer.reservations["short"] - time.monotonic() <= 30

@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.provenance import fresh_out, git_state
-from bench.scale.trace_slice import write_slice
+from bench.provenance import git_state
+from bench.scale.trace_slice import add_slice_arguments, prepare
 from scheduler.sim.profiles import Profile, named_profile
-from scheduler.sim.trace import DEFAULT_TRACE
 
 MODES = ("kv_router", "round_robin")
 BLOCK_SIZE = 16  # the cluster's [prefill] prefix_cache_block_size
@@ -81,23 +80,17 @@ def replay(mode: str, trace: Path, table: Path, workers: int, profile: Profile) 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.scale.dynamo_replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
-    p.add_argument("--limit", type=int, default=200, help="the trace's first N requests (default 200)")
-    p.add_argument("--max-output-tokens", type=int, default=32, help="cap on each output (default 32)")
+    add_slice_arguments(p)
     p.add_argument("--workers", type=int, default=16, help="aggregated mocker workers (default 16)")
     p.add_argument("--profile", default="analytic-gpu", help="latency profile: a name or a JSON file")
     p.add_argument("--repeats", type=int, default=3, help="runs per router mode (default 3)")
-    p.add_argument("--out", type=Path, help="results folder (default: a fresh folder under runs/bench/)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     code, t0 = git_state(), time.monotonic()
-    out = Path(args.out or fresh_out("dynamo-replay"))
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / "trace_slice.jsonl"
-    n = write_slice(args.trace, args.limit, args.max_output_tokens, trace)
+    out, trace, n = prepare(args, "dynamo-replay")
     profile = named_profile(args.profile)
     table = profile_table(profile, out / "mocker_profile.npz")
     modes: dict[str, Any] = {}

@@ -18,23 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.provenance import REPO, fresh_out, git_state
-from bench.scale.trace_slice import write_slice
+from bench.provenance import REPO, git_state
+from bench.scale.trace_slice import add_slice_arguments, prepare
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
 from bench.sim.common import run_one
-from bench.soak.probe import cluster_processes, rss_kib
+from bench.soak.probe import cluster_processes, cpu_seconds, rss_kib
 from cli.local_cluster import TINY_MODEL, local_cluster
 from scheduler.sim.profiles import analytic_gpu
 from scheduler.sim.simulator import SimConfig
-from scheduler.sim.trace import DEFAULT_TRACE
 
 LIVE_POLICIES = ("kvcache_centric", "cache_aware", "least_loaded", "random", "round_robin", "dynamo", "sglang")
 TOLERANCE = 0.15  # the agreement the comparison asks for (relative, on mean TTFT and hit rate)
@@ -43,15 +41,12 @@ TOLERANCE = 0.15  # the agreement the comparison asks for (relative, on mean TTF
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.scale.live_vs_sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
-    p.add_argument("--limit", type=int, default=200, help="the trace's first N requests (default 200)")
-    p.add_argument("--max-output-tokens", type=int, default=32, help="cap on each output (default 32)")
+    add_slice_arguments(p)
     p.add_argument("--policies", default="kvcache_centric,cache_aware,round_robin",
                    help=f"comma-separated, of: {', '.join(LIVE_POLICIES)}")  # fmt: skip
     p.add_argument("--prefill", type=int, default=8, help="prefill instances (default 8)")
     p.add_argument("--decode", type=int, default=8, help="decode instances (default 8)")
     p.add_argument("--config", default=str(REPO / "deploy/emulated.toml"), help="the live cluster's config")
-    p.add_argument("--out", type=Path, help="results folder (default: a fresh folder under runs/bench/)")
     p.add_argument("--quiet", action="store_true", help="no per-request progress line")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -94,15 +89,6 @@ def live(policy: str, args: argparse.Namespace, trace: Path, run_dir: Path) -> d
     return {"ttft_mean": t["mean"] / 1e3, "ttft_p50": t["median"] / 1e3, "ttft_p90": t["p90"] / 1e3,
             "hit_rate": s["prefix_cache_hit_rate"], "completed": s["completed"], "errors": s["errors"],
             "run_dir": str(run_dir), "footprint": footprint}  # fmt: skip
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def footprint_of(processes: dict[str, dict[str, Any]], cpu_before: dict[str, float], seconds: float) -> dict[str, Any]:
@@ -154,10 +140,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     code, t0 = git_state(), time.monotonic()
-    out = Path(args.out or fresh_out("live-vs-sim"))
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / "trace_slice.jsonl"
-    n = write_slice(args.trace, args.limit, args.max_output_tokens, trace)
+    out, trace, n = prepare(args, "live-vs-sim")
     root = REPO / "runs" / f"live-vs-sim-{time.strftime('%Y%m%d-%H%M%S')}"
     rows: dict[str, dict[str, Any]] = {}
     for policy in args.policies:

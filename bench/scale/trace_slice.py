@@ -1,13 +1,17 @@
 """The trace slice the scale benchmarks replay: a Mooncake trace's first requests, outputs capped.
 
-Pure standard library, so that benchmarks running in another virtual environment (Dynamo's replay) cut
-the same slice.
+Standard library only (with this repository's pure modules), so that benchmarks running in another
+virtual environment (Dynamo's replay) cut the same slice.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+from bench.provenance import fresh_out
+from scheduler.sim.trace import DEFAULT_TRACE
 
 
 def write_slice(trace: Path, limit: int, max_output: int, path: Path) -> int:
@@ -23,3 +27,19 @@ def write_slice(trace: Path, limit: int, max_output: int, path: Path) -> int:
                 lines.append(json.dumps(row))
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
+
+
+def add_slice_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that choose the slice and where the results go."""
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--limit", type=int, default=200, help="the trace's first N requests (default 200)")
+    p.add_argument("--max-output-tokens", type=int, default=32, help="cap on each output (default 32)")
+    p.add_argument("--out", type=Path, help="results folder (default: a fresh folder under runs/bench/)")
+
+
+def prepare(args: argparse.Namespace, kind: str) -> tuple[Path, Path, int]:
+    """The results folder (``--out`` or a fresh one for ``kind``), the slice written there, its request count."""
+    out = Path(args.out or fresh_out(kind))
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace_slice.jsonl"
+    return out, trace, write_slice(args.trace, args.limit, args.max_output_tokens, trace)

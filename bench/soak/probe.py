@@ -1,4 +1,4 @@
-"""Readings of a running cluster: RSS and open fds of its processes, free KV blocks of its workers.
+"""Readings of a running cluster: RSS, CPU time and open fds of its processes, free KV blocks of its workers.
 
 Processes come from ``cluster.json`` (``processes`` plus the embedded etcd and, when this benchmark
 started the cluster, the ``kvconductor up`` launcher); worker addresses from the etcd registry; loads
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,6 +33,15 @@ def rss_kib(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def open_fds(pid: int) -> int | None:

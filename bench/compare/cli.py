@@ -68,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="worker slots of every deployment: N colocated, or N/2 prefill + N/2 decode (default 2; 16 emulated)",
     )
     p.add_argument(
+        "--prefill-workers",
+        type=int,
+        metavar="P",
+        help="prefill workers of a disaggregated deployment's slots, the rest decode (default half)",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         nargs="+",
@@ -97,7 +103,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="open-loop levels instead of --concurrency: Poisson arrivals at R requests/s (a rate sweep)",
     )
     add_workload_arguments(p, requests_flag="--requests")
-    add_slo_arguments(p, ttft=2000.0, tpot=200.0)  # the config's max_ttft_ms and max_tbt_ms  # fmt: skip
+    add_slo_arguments(p, default="the config's prefill.max_ttft_ms and decode.max_tbt_ms, as the Conductor admits")
+
+
+def slo_defaults(args: argparse.Namespace) -> None:
+    """Unset TTFT and TBT limits of goodput: the ones the cluster's Conductor admits by (config plus ``--set``)."""
+    from services.common.config import load_config
+
+    config = load_config(args.config, args.set)
+    if args.ttft_slo_ms is None:
+        args.ttft_slo_ms = float(config.prefill.max_ttft_ms)
+    if args.tbt_slo_ms is None:
+        args.tbt_slo_ms = float(config.decode.max_tbt_ms)
 
 
 def _labelled(measurements: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -111,7 +128,10 @@ def compare(args: argparse.Namespace, out: Path, root: Path) -> dict[str, Any]:
     t0, code = time.monotonic(), git_state()
     measurements = {
         name: measure(args, name, overrides, args.concurrency, root / name)
-        for name, overrides in (("colocated", colocated(args.workers)), ("disaggregated", disaggregated(args.workers)))
+        for name, overrides in (
+            ("colocated", colocated(args.workers)),
+            ("disaggregated", disaggregated(args.workers, args.prefill_workers)),
+        )
     }
     runs = _labelled(measurements)
     record = {"kind": "compare", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0,
@@ -160,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
         print("error: --workers must be at least 2", file=sys.stderr)
         return 1
     args.contenders = args.contenders or list(DEFAULT_CONTENDERS[args.engine])
+    slo_defaults(args)
     out = Path(args.out or fresh_out("compare"))
     out.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"

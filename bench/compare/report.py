@@ -14,11 +14,12 @@ COLUMNS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("TTFT p50 ms", lambda s: f"{s['ttft_ms']['median']:.1f}"),
     ("TTFT p90 ms", lambda s: f"{s['ttft_ms']['p90']:.1f}"),
     ("TPOT p50 ms", lambda s: f"{s['tpot_ms']['median']:.2f}"),
-    ("TPOT p90 ms", lambda s: f"{s['tpot_ms']['p90']:.2f}"),
+    ("TBT p90 ms", lambda s: f"{s['tbt_ms']['p90']:.1f}"),
     ("hit rate", lambda s: f"{s['prefix_cache_hit_rate']:.1%}"),
     ("req/s", lambda s: f"{s['request_throughput']:.2f}"),
     ("tok/s", lambda s: f"{s['output_throughput']:.1f}"),
     ("goodput req/s", lambda s: f"{s['goodput']:.2f}"),
+    ("within SLO", lambda s: f"{s['slo_attainment']:.0%}"),
     ("done/failed", lambda s: f"{s['completed']}/{s['failed']}"),
 )
 
@@ -43,6 +44,41 @@ def markdown_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
     head = "| run | " + " | ".join(name for name, _ in COLUMNS) + " |\n"
     rule = "|---|" + "---:|" * len(COLUMNS) + "\n"
     return head + rule + "".join(f"| {label} | " + " | ".join(_cells(s)) + " |\n" for label, s in runs.items())
+
+
+ATTAINMENT = 0.9  # DistServe's goodput: the highest request rate at which 90% of requests meet every SLO
+
+
+def slo_capacity(by_rate: Mapping[float, Mapping[str, Any]]) -> float | None:
+    """The highest swept rate at which this and every lower rate had ``ATTAINMENT`` within SLO; None if none."""
+    best = None
+    for rate in sorted(by_rate):
+        if by_rate[rate]["slo_attainment"] < ATTAINMENT:
+            break
+        best = rate
+    return best
+
+
+def capacity_markdown(by_contender: Mapping[str, Mapping[float, Mapping[str, Any]]], peers: Sequence[str]) -> str:
+    """Per contender: its SLO capacity, the goodput there and at the best peer's capacity; ours vs. the best peer.
+
+    ``by_contender``: label -> {rate: summary}; ``peers``: the labels of the third-party front ends.
+    """
+    capacity = {label: slo_capacity(runs) for label, runs in by_contender.items()}
+    best_peer = max((c for label, c in capacity.items() if label in peers and c is not None), default=None)
+    ours = max((c for label, c in capacity.items() if label not in peers and c is not None), default=None)
+    lines = [f"SLO capacity: the highest swept rate at which at least {ATTAINMENT:.0%} of requests met every SLO "
+             "(and every lower rate did too).\n\n",
+             f"| front end | capacity req/s | goodput there req/s | goodput at the best peer's capacity "
+             f"({best_peer if best_peer is not None else '-'} req/s) |\n|---|---:|---:|---:|\n"]  # fmt: skip
+    for label, runs in by_contender.items():
+        cap = capacity[label]
+        there = "-" if cap is None else f"{runs[cap]['goodput']:.2f}"
+        at_peer = "-" if best_peer is None or best_peer not in runs else f"{runs[best_peer]['goodput']:.2f}"
+        lines.append(f"| {label} | {'below the lowest rate' if cap is None else cap} | {there} | {at_peer} |\n")
+    if ours is not None and best_peer is not None:
+        lines.append(f"\nBest Conductor capacity / best peer capacity: {ours / best_peer:.2f}x\n")
+    return "".join(lines)
 
 
 def plot(runs: Mapping[str, Mapping[str, Any]], path: Path, title: str, colors: Sequence[str] | None = None) -> None:

@@ -82,7 +82,6 @@ DEFAULT_CONTENDERS = {
              "vllm-pd:cache_aware"),
     "emulated": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware"),
 }  # fmt: skip
-DEPLOYMENTS = {"colocated": colocated, "disaggregated": disaggregated}
 PROBE_REQUESTS = 4
 WARMUP_REQUESTS = 2
 
@@ -120,7 +119,7 @@ def run_level(target: Target, args: argparse.Namespace, level: Level, seed: int)
     """One run at ``level``; the record ``bench serve`` writes, plus the seed."""
     requests = workload(args, seed)
     results, duration = asyncio.run(run(target, requests, level.concurrency, level.rate, seed, args.quiet))
-    summary = metrics.summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
+    summary = metrics.summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms, args.tbt_slo_ms)
     return {"seed": seed, "concurrency": level.concurrency, "rate": level.rate, "summary": summary,
             "requests": [vars(r) | {"tpot": r.tpot} for r in results]}  # fmt: skip
 
@@ -163,9 +162,10 @@ def run_contender(
         runs[level.label] = record
         s = record["summary"]
         shares = "/".join(f"{d['token_share']:.0%}" for d in record["workers"].values())
-        print(f"[routers] {contender.label} {level.label}: TTFT p50 {s['ttft_ms']['median']:.1f} ms, TPOT p50 "
-              f"{s['tpot_ms']['median']:.2f} ms, hit {s['prefix_cache_hit_rate']:.1%}, "
-              f"{s['completed']}/{s['requests']} done, worker token shares {shares}",
+        print(f"[routers] {contender.label} {level.label}: TTFT p50 {s['ttft_ms']['median']:.1f} ms, TBT p90 "
+              f"{s['tbt_ms']['p90']:.1f} ms, hit {s['prefix_cache_hit_rate']:.1%}, "
+              f"{s['completed']}/{s['requests']} done, {s['slo_attainment']:.0%} within SLO, "
+              f"worker token shares {shares}",
               file=sys.stderr, flush=True)  # fmt: skip
     result: dict[str, Any] = {"label": contender.label, "spec": contender.spec, "base_url": base_url, "levels": runs,
               "probe": probe(target, args, workers, args.seed + 100 * index + 99)}  # fmt: skip
@@ -197,6 +197,13 @@ def conductor_policy(overrides: Sequence[str]) -> str:
     return policy
 
 
+def deployment_overrides(deployment: str, args: argparse.Namespace) -> tuple[str, ...]:
+    """The node counts of one of our deployments on ``--workers`` slots (``--prefill-workers`` of them prefill)."""
+    if deployment == "colocated":
+        return colocated(args.workers)
+    return disaggregated(args.workers, args.prefill_workers)
+
+
 @contextmanager
 def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> Iterator[dict[str, Any]]:
     """cluster.json of the cluster to use: ``--cluster-json``'s (colocated only), or one started here."""
@@ -204,7 +211,7 @@ def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> I
         yield json.loads(Path(args.cluster_json).read_text())
         return
     # the workers' KV events in vLLM's ZMQ format too, for vllm-router's kv_aware policy
-    overrides = [*args.model_overrides, "engine.zmq_kv_events=true", *args.set, *DEPLOYMENTS[deployment](args.workers)]
+    overrides = [*args.model_overrides, "engine.zmq_kv_events=true", *args.set, *deployment_overrides(deployment, args)]
     print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
@@ -310,13 +317,21 @@ def workers_markdown(record: dict[str, Any], labels: Sequence[str]) -> str:
     return head + "".join(rows)
 
 
-def markdown(record: dict[str, Any], title: str, labels: Sequence[str]) -> str:
-    """routers.md: the table, what the workers saw, what was skipped or failed."""
+def markdown(record: dict[str, Any], title: str, swept: Sequence[Level]) -> str:
+    """routers.md: the table, what the workers saw, the SLO capacities of a rate sweep, what was skipped or failed."""
+    labels = [level.label for level in swept]
     lines = [f"{title}; code {record['code']}; `{record['command']}`\n", report.markdown_table(table(record, labels)),
              "\nWhat the workers saw (their own /metrics: share of the prompt tokens each engine looked up, and "
              "its prefix-cache hit rate; probe: shares of a prefix sent 4 times in a row; - where a contender ran "
              "on other workers, and none for stock vLLM servers):\n",
              workers_markdown(record, labels)]  # fmt: skip
+    rates = [level.rate for level in swept if level.rate is not None]
+    if len(rates) == len(swept):
+        ran = [r for r in record["contenders"].values() if "levels" in r]
+        by_rate = {r["label"]: {rate: r["levels"][level.label]["summary"] for rate, level in zip(rates, swept,
+                   strict=True)} for r in ran}  # fmt: skip
+        peers = [r["label"] for r in ran if not r["spec"].startswith("conductor")]
+        lines.append("\n" + report.capacity_markdown(by_rate, peers))
     for r in record["contenders"].values():
         for key in ("skipped", "failed", "note"):
             if key in r:
@@ -348,8 +363,10 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     record = {"kind": "routers", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0, **result,
               "workload": {k: getattr(args, k) for k in ("workload", "endpoint", "num_requests", "num_prefixes",
                            "suffixes_per_prefix", "prefix_len", "suffix_len", "output_len", "seed", "concurrency",
-                           "request_rates", "ttft_slo_ms", "tpot_slo_ms")}, "overrides": args.set}  # fmt: skip
-    labels = [level.label for level in levels(args)]
+                           "request_rates", "ttft_slo_ms", "tpot_slo_ms", "tbt_slo_ms", "prefill_workers")},
+              "overrides": args.set}  # fmt: skip
+    swept = levels(args)
+    labels = [level.label for level in swept]
     runs = table(record, labels)
     if not runs:
         raise RuntimeError("no contender ran: " + "; ".join(
@@ -358,7 +375,7 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
              f"prefixes, {args.engine} engine, {args.workers} worker slots of one engine each behind every "
              "front end")  # fmt: skip
     (out / "routers.json").write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
-    (out / "routers.md").write_text(markdown(record, title, labels))
+    (out / "routers.md").write_text(markdown(record, title, swept))
     report.plot(runs, out / "routers.png", title, colors=colors(list(runs)))
     print(report.text_table(runs))
     print(workers_markdown(record, labels))

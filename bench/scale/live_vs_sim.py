@@ -78,7 +78,8 @@ def live(policy: str, args: argparse.Namespace, trace: Path, run_dir: Path) -> d
         bench = argparse.Namespace(
             workload="trace", trace=str(trace), limit=None, length_scale=1.0, output_scale=1.0,
             max_output_tokens=args.max_output_tokens, max_input_tokens=1 << 30, time_scale=1.0, seed=0,
-            endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=300.0,
+            endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=None,
+            tbt_slo_ms=300.0,
         )  # fmt: skip
         processes = cluster_processes(cluster.manifest, cluster.process.pid)
         cpu_before, t0 = {key: cpu_seconds(p["pid"]) for key, p in processes.items()}, time.monotonic()

@@ -47,12 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_slo_arguments(pace)
 
 
-def add_slo_arguments(
-    p: argparse.ArgumentParser | argparse._ArgumentGroup, ttft: float | None = None, tpot: float | None = None
-) -> None:
-    """``--ttft-slo-ms`` and ``--tpot-slo-ms`` (goodput limits)."""
-    p.add_argument("--ttft-slo-ms", type=float, default=ttft, help=f"goodput: TTFT limit in ms (default {ttft})")
-    p.add_argument("--tpot-slo-ms", type=float, default=tpot, help=f"goodput: TPOT limit in ms (default {tpot})")
+def add_slo_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "none") -> None:
+    """``--ttft-slo-ms``, ``--tpot-slo-ms``, ``--tbt-slo-ms``: goodput's limits (``default``: what unset means)."""
+    p.add_argument("--ttft-slo-ms", type=float, help=f"goodput: TTFT limit in ms (default {default})")
+    p.add_argument("--tpot-slo-ms", type=float, help="goodput: limit in ms on a request's mean time per output token")
+    p.add_argument("--tbt-slo-ms", type=float,
+                   help="goodput: limit in ms on a request's TBT, the mean of its longest 10%% of token gaps "
+                   f"(default {default})")  # fmt: skip
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, requests_flag: str = "--num-requests") -> None:
@@ -136,7 +137,7 @@ def run_benchmark(target: Target, args: argparse.Namespace, quiet: bool = False)
     concurrency, rate = pacing(args)
     asyncio.run(check_target(target))
     results, duration = asyncio.run(run(target, requests, concurrency, rate, args.seed, quiet))
-    summary = metrics.summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms)
+    summary = metrics.summarize(results, duration, args.ttft_slo_ms, args.tpot_slo_ms, args.tbt_slo_ms)
     return {
         "target": {"base_url": target.base_url, "model": target.model, "endpoint": target.endpoint},
         "config": workload_config(args),

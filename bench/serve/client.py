@@ -19,6 +19,7 @@ from typing import Any, Literal
 import httpx
 
 from bench.serve.workloads import BenchRequest
+from scheduler.sim.metrics import request_tbt
 
 Endpoint = Literal["chat", "completions"]
 _NUMBER = re.compile(r"\d+(\.\d+)?")
@@ -45,6 +46,13 @@ class RequestResult:
         if self.error or self.ttft is None or self.latency is None or self.output_tokens < 2:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def tbt(self) -> float | None:
+        """The paper's TBT: the mean of the longest 10% of the gaps between chunks; None without gaps."""
+        if self.error or not self.itl:
+            return None
+        return request_tbt(self.itl)
 
 
 def error_reason(status: int, body: str) -> str:

@@ -6,8 +6,11 @@ Definitions (all over completed requests unless said otherwise):
   chunks, pooled over requests; E2E: end-to-end latency.
 - percentiles interpolate linearly between order statistics (numpy's default), so p50 is the median.
 - request throughput = completed / duration; output-token throughput = sum of output tokens / duration.
-- goodput = requests that completed within every given SLO (TTFT <= ttft_slo_ms, TPOT <= tpot_slo_ms)
-  per second; a request with one token has no TPOT and is judged on TTFT alone.
+- TBT of a request: the mean of the longest 10% of its gaps (the paper's, and the simulator's:
+  ``scheduler.sim.metrics.request_tbt``).
+- goodput = requests that completed within every given SLO (TTFT <= ttft_slo_ms, TPOT <= tpot_slo_ms,
+  TBT <= tbt_slo_ms) per second; a request with one token has no TPOT or TBT and is judged on TTFT alone.
+  SLO attainment = those requests / all requests (failed and rejected ones count as misses).
 - prefix-cache hit rate = sum(cached_tokens) / sum(prompt_tokens) over requests whose usage was reported.
 """
 
@@ -45,14 +48,18 @@ def describe(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def within_slo(r: RequestResult, ttft_slo_s: float | None, tpot_slo_s: float | None) -> bool:
+def within_slo(
+    r: RequestResult, ttft_slo_s: float | None, tpot_slo_s: float | None, tbt_slo_s: float | None = None
+) -> bool:
     """Completed and within every given limit."""
     if r.error is not None or r.ttft is None:
         return False
     if ttft_slo_s is not None and r.ttft > ttft_slo_s:
         return False
-    tpot = r.tpot
-    return tpot_slo_s is None or tpot is None or tpot <= tpot_slo_s
+    for value, limit in ((r.tpot, tpot_slo_s), (r.tbt, tbt_slo_s)):
+        if limit is not None and value is not None and value > limit:
+            return False
+    return True
 
 
 def summarize(
@@ -60,6 +67,7 @@ def summarize(
     duration_s: float,
     ttft_slo_ms: float | None = None,
     tpot_slo_ms: float | None = None,
+    tbt_slo_ms: float | None = None,
 ) -> dict[str, Any]:
     """The summary dict written to JSON (times in ms)."""
     done = [r for r in results if r.error is None]
@@ -71,7 +79,7 @@ def summarize(
     with_usage = [r for r in done if r.prompt_tokens]
     prompt = sum(r.prompt_tokens or 0 for r in with_usage)
     cached = sum(r.cached_tokens or 0 for r in with_usage)
-    good = sum(within_slo(r, _s(ttft_slo_ms), _s(tpot_slo_ms)) for r in results)
+    good = sum(within_slo(r, _s(ttft_slo_ms), _s(tpot_slo_ms), _s(tbt_slo_ms)) for r in results)
     output_tokens = sum(r.output_tokens for r in done)
     per_s = 1 / duration_s if duration_s > 0 else math.nan
     return {
@@ -81,6 +89,7 @@ def summarize(
         "duration_s": duration_s,
         "ttft_ms": stat([r.ttft for r in done]),
         "tpot_ms": stat([r.tpot for r in done]),
+        "tbt_ms": stat([r.tbt for r in done]),
         "itl_ms": stat([gap for r in done for gap in r.itl]),
         "e2e_ms": stat([r.latency for r in done]),
         "request_throughput": len(done) * per_s,
@@ -89,8 +98,9 @@ def summarize(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "prefix_cache_hit_rate": cached / prompt if prompt else math.nan,
-        "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms},
+        "slo": {"ttft_ms": ttft_slo_ms, "tpot_ms": tpot_slo_ms, "tbt_ms": tbt_slo_ms},
         "good_requests": good,
+        "slo_attainment": good / len(results) if results else math.nan,
         "goodput": good * per_s,
         "errors": dict(Counter(r.error for r in results if r.error is not None).most_common()),
     }
@@ -107,7 +117,8 @@ def format_table(summary: dict[str, Any]) -> str:
         f"duration {summary['duration_s']:.2f} s",
         f"{'metric':<10}" + "".join(f"{s:>11}" for s in STATS),
     ]
-    for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
+    for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("tbt_ms", "TBT ms"), ("itl_ms", "ITL ms"),
+                       ("e2e_ms", "E2E ms")):  # fmt: skip
         lines.append(f"{label:<10}" + "".join(f"{summary[key][s]:>11.1f}" for s in STATS))
     slo = summary["slo"]
     limits = ", ".join(f"{k} <= {v:g}" for k, v in slo.items() if v is not None) or "no SLO given"

@@ -1,7 +1,9 @@
 """Pacing of a benchmark run: closed loop, Poisson arrivals, or trace timestamps; a live progress line.
 
 - ``concurrency=C``: closed loop, C requests in flight, each finished request starts the next.
-- ``rate=R``: open loop, exponential gaps with mean 1/R seconds (seeded), regardless of completions.
+- ``rate=R``: open loop, exponential gaps with mean 1/R seconds (seeded), regardless of completions;
+  for requests that carry their own ``arrival_s`` (a trace), those arrivals compressed or stretched to
+  the mean rate R instead, so the trace's bursts stay.
 - otherwise, open loop at the requests' own ``arrival_s`` (trace replay); requests without one start
   at once.
 """
@@ -58,6 +60,19 @@ async def check_target(target: Target) -> None:
         raise ValueError(f"{target.base_url}/models is not an OpenAI model list") from None
     if target.model not in served:
         raise ValueError(f"model {target.model!r} is not served at {target.base_url}; served: {served}")
+
+
+def arrival_times(requests: Sequence[BenchRequest], rate: float | None, seed: int) -> list[float]:
+    """Each request's offset (s) in an open loop: its own ``arrival_s`` (0 without one) at ``rate`` None;
+    at a rate, a trace's own arrivals scaled to that mean rate, other requests' Poisson arrivals."""
+    if rate is None:
+        return [r.arrival_s or 0.0 for r in requests]
+    times = [r.arrival_s for r in requests if r.arrival_s is not None]
+    if len(times) == len(requests) > 1 and max(times) > min(times):
+        first = min(times)  # n arrivals at a mean rate R span (n - 1) / R, as Poisson's do
+        factor = (len(times) - 1) / (rate * (max(times) - first))
+        return [(at - first) * factor for at in times]
+    return poisson_arrivals(len(requests), rate, seed)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -135,8 +150,7 @@ async def run(
             if concurrency:
                 await _closed_loop(one, len(requests), concurrency)
             else:
-                arrivals = poisson_arrivals(len(requests), rate, seed) if rate else [r.arrival_s for r in requests]
-                await _open_loop(one, arrivals, start)
+                await _open_loop(one, arrival_times(requests, rate, seed), start)
         finally:
             ticker.cancel()
         duration = time.perf_counter() - start
@@ -160,10 +174,10 @@ async def _closed_loop(one: Callable[[int], Awaitable[None]], n: int, concurrenc
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
 
 
-async def _open_loop(one: Callable[[int], Awaitable[None]], arrivals: Sequence[float | None], start: float) -> None:
+async def _open_loop(one: Callable[[int], Awaitable[None]], arrivals: Sequence[float], start: float) -> None:
     tasks = []
-    for i, at in enumerate(arrivals):
-        delay = (at or 0.0) - (time.perf_counter() - start)
+    for i in sorted(range(len(arrivals)), key=arrivals.__getitem__):
+        delay = arrivals[i] - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(one(i)))

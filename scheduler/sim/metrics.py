@@ -45,15 +45,24 @@ class RequestRecord:
         return not self.rejection
 
 
+def request_tbt(gaps: Sequence[float] | np.ndarray) -> float:
+    """A request's TBT from its token gaps: the mean of the longest 10% (at least one); 0 without gaps.
+
+    The one definition of TBT: the simulator's records and the live benchmarks' clients both use it.
+    """
+    if len(gaps) == 0:
+        return 0.0
+    k = max(1, math.ceil(0.1 * len(gaps)))
+    return float(np.partition(np.asarray(gaps, dtype=float), len(gaps) - k)[-k:].mean())
+
+
 def tbt_of(record: RequestRecord, step_times: np.ndarray) -> float:
-    """Mean of the longest 10% of a request's token gaps; 0 for single-token outputs."""
+    """``request_tbt`` of a simulated request's gaps (from its decode instance's step log)."""
     steps = record.num_output_tokens - 1
     if steps <= 0 or record.first_step < 0:
         return 0.0
     times = step_times[record.first_step : record.first_step + steps]
-    gaps = np.diff(times, prepend=record.first_token)
-    k = max(1, math.ceil(0.1 * len(gaps)))
-    return float(np.partition(gaps, len(gaps) - k)[-k:].mean())
+    return request_tbt(np.diff(times, prepend=record.first_token))
 
 
 def _dist(values: np.ndarray) -> dict[str, float]:

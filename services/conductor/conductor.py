@@ -389,12 +389,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         heartbeat, from ``GetLoad``): a busy engine (a long prompt on a loaded machine, the requests queued ahead)
         keeps the request, for ``stall_factor`` bounds at most; a frozen or unreachable one loses it.
         """
+        rounds = math.ceil(self.config.scheduler.stall_factor)
         try:
-            for _ in range(math.ceil(self.config.scheduler.stall_factor)):
+            for left in range(rounds - 1, -1, -1):
                 done, _ = await asyncio.wait({pending}, timeout=bound)
                 if done:
                     return pending.result()
-                if not await self._engine_turned(view, bound):
+                if not left or not await self._engine_turned(view, bound):  # no heartbeat to ask after the last
                     break
             raise self._stalled(view.instance_id, phase, bound)
         finally:

@@ -218,9 +218,14 @@ def emulation_of(config: Config) -> Emulation:
     )  # fmt: skip
 
 
-def build(config: Config, role: str, pool_config: WorkerConfig) -> tuple[BuiltinEngine, CostRefiner]:
-    """Load the model (emulated: its config.json only), allocate the paged KV pool and profile it."""
-    emulation = emulation_of(config) if config.engine.backend == "emulated" else None
+def build(
+    config: Config, role: str, pool_config: WorkerConfig, emulation: Emulation | None = None
+) -> tuple[BuiltinEngine, CostRefiner]:
+    """Load the model, allocate the paged KV pool and profile it.
+
+    ``emulation`` (``emulation_of(config)`` for the emulated backend): load only the model's config.json and
+    run the emulated forward pass.
+    """
     log.info("loading %s (%s) with a %d MiB KV pool%s", config.model.path, config.model.dtype,
              pool_config.kv_cache_memory_mb, "" if emulation is None else f", emulated: {emulation}")  # fmt: skip
     engine = LLMEngine(

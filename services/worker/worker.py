@@ -114,10 +114,10 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     torch.set_num_threads(pool_config.torch_threads)
     engine: EnginePort
     kv_bootstrap = ""
-    emulated = config.engine.backend == "emulated"
+    emulation = builtin_engine.emulation_of(config) if config.engine.backend == "emulated" else None
     transfer = KVTransferEngine(
         config.cluster.host, protocol=config.cluster.transfer_backend,
-        link_floor=builtin_engine.emulation_of(config).transfer_seconds if emulated else None,
+        link_floor=None if emulation is None else emulation.transfer_seconds,
     )  # fmt: skip
     if config.engine.backend == "vllm":
         from services.worker import vllm_engine  # imports vLLM: only on workers that run it
@@ -126,7 +126,7 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
             config, role, instance_id, pool_config, transfer.count_written
         )
     else:
-        engine, refiner = builtin_engine.build(config, role, pool_config)
+        engine, refiner = builtin_engine.build(config, role, pool_config, emulation)
     if not engine.moves_kv_itself:
         transfer.register(engine.layout.base_address, engine.layout.nbytes)
     metrics.register_transfer(lambda: transfer.counts().by_direction())

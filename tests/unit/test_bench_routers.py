@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from bench.compare.peers import parse_contender, router_command
+from bench.compare.report import capacity_markdown, slo_capacity
 from bench.compare.routers import Level, conductor_policy, levels, workers_markdown
 from bench.compare.worker_metrics import worker_deltas
 
@@ -68,3 +69,14 @@ def test_levels_are_request_rates_when_given_else_concurrency_levels():
     assert levels(argparse.Namespace(concurrency=[1, 4], request_rates=None)) == [Level(1), Level(4)]
     rates = levels(argparse.Namespace(concurrency=[1, 4], request_rates=[0.5, 2.0]))
     assert [level.label for level in rates] == ["rate=0.5", "rate=2"] and rates[0].concurrency is None
+
+
+def test_slo_capacity_is_the_highest_rate_up_to_which_every_rate_held_90_percent():
+    def run(attainment: float, goodput: float) -> dict[str, float]:
+        return {"slo_attainment": attainment, "goodput": goodput}
+
+    ours = {1.0: run(1.0, 1.0), 2.0: run(0.95, 1.9), 4.0: run(0.9, 3.6), 8.0: run(0.5, 4.0)}
+    peer = {1.0: run(0.92, 0.9), 2.0: run(0.6, 1.2), 4.0: run(0.91, 3.6), 8.0: run(0.1, 0.8)}  # 4.0: a lucky run
+    assert slo_capacity(ours) == 4.0 and slo_capacity(peer) == 1.0 and slo_capacity({1.0: run(0.5, 0.5)}) is None
+    md = capacity_markdown({"conductor": ours, "peer": peer}, ["peer"])
+    assert "| peer | 1.0 | 0.90 | 0.90 |" in md and "| conductor | 4.0 | 3.60 | 1.00 |" in md and "4.00x" in md

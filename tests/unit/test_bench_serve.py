@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,8 @@ import pytest
 from bench.serve.cli import add_arguments, build_workload, pacing
 from bench.serve.client import RequestResult, error_reason
 from bench.serve.metrics import percentile, summarize, within_slo
-from bench.serve.runner import poisson_arrivals
-from bench.serve.workloads import TraceScale, load_trace, shared_prefix, trace_request
+from bench.serve.runner import _open_loop, arrival_times, poisson_arrivals
+from bench.serve.workloads import BenchRequest, TraceScale, load_trace, shared_prefix, trace_request
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,6 +108,37 @@ def test_pacing_defaults_and_poisson_arrivals():
     arrivals = poisson_arrivals(2000, rate=4.0, seed=1)
     assert arrivals == poisson_arrivals(2000, rate=4.0, seed=1) and arrivals[0] == 0.0
     assert arrivals[-1] / 1999 == pytest.approx(0.25, rel=0.1)
+
+
+def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps_and_judges_goodput():
+    gaps = [0.02] * 18 + [0.5, 0.3]  # 20 gaps: the longest 10% are 0.5 and 0.3
+    r = RequestResult(100, 21, ttft=0.1, latency=0.1 + sum(gaps), itl=gaps, output_tokens=21)
+    assert r.tbt == pytest.approx(0.4) and r.tpot == pytest.approx(sum(gaps) / 20)
+    assert within_slo(r, 1.0, 0.1) and not within_slo(r, 1.0, None, 0.3) and within_slo(r, 1.0, None, 0.45)
+    rejected = RequestResult(100, 21, error="429: predicted TTFT N ms exceeds the SLO of N ms")
+    strict = summarize([r, rejected], 1.0, ttft_slo_ms=1000, tbt_slo_ms=300)
+    assert strict["tbt_ms"]["median"] == pytest.approx(400) and strict["slo_attainment"] == 0.0
+    loose = summarize([r, rejected], 1.0, ttft_slo_ms=1000, tbt_slo_ms=450)
+    assert loose["good_requests"] == 1 and loose["slo_attainment"] == 0.5  # the rejected one is a miss
+
+
+def test_a_rate_scales_a_traces_own_arrivals_and_keeps_its_bursts():
+    trace = [BenchRequest((65,), 1, t) for t in (0.0, 0.1, 0.2, 9.0)]
+    assert arrival_times(trace, None, 0) == [0.0, 0.1, 0.2, 9.0]
+    # 4 arrivals at a mean 1/s span 3 s, as Poisson arrivals would; the burst of three stays a burst
+    assert arrival_times(trace, 1.0, 0) == pytest.approx([0.0, 0.1 / 3, 0.2 / 3, 3.0])
+    plain = [BenchRequest((65,), 1) for _ in range(3)]
+    assert arrival_times(plain, 2.0, 7) == poisson_arrivals(3, 2.0, 7)
+
+
+def test_open_loop_sends_in_arrival_order_whatever_the_list_order():
+    sent: list[int] = []
+
+    async def one(i: int) -> None:
+        sent.append(i)
+
+    asyncio.run(_open_loop(one, [0.02, 0.0, 0.01], time.perf_counter()))
+    assert sent == [1, 2, 0]
 
 
 def test_parsing_bench_args_does_not_import_torch():

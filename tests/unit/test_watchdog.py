@@ -56,4 +56,4 @@ async def test_a_request_that_never_ends_on_a_turning_engine_is_abandoned_after_
     view = SimpleNamespace(instance_id="decode-0", worker_stub=WorkerStub(age_s=0.01))
     with pytest.raises(WorkerFailure, match="no decode progress"):
         await _watchdog(stall_factor=3)._unless_stalled(asyncio.ensure_future(_after(30)), view, "decode", 0.1)
-    assert view.worker_stub.calls == 3
+    assert view.worker_stub.calls == 2  # asked after the first two bounds; the third is the last

@@ -24,11 +24,12 @@ from cli.local_cluster import stop
 from services.common.net import free_port
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router",
-                  "vllm-pd": "vllm_router.launch_router"}  # fmt: skip
-ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router", "vllm-pd": "vllm-router"}
+                  "vllm-pd": "vllm_router.launch_router", "dynamo": "dynamo.frontend"}  # fmt: skip
+ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router", "vllm-pd": "vllm-router", "dynamo": "dynamo"}
 ROUTER_POLICIES = {"sglang": ("cache_aware", "round_robin", "power_of_two", "random"),
                    "vllm": ("cache_aware", "kv_aware", "power_of_two", "round_robin", "random"),
-                   "vllm-pd": ("cache_aware", "power_of_two", "round_robin", "random")}  # fmt: skip
+                   "vllm-pd": ("cache_aware", "power_of_two", "round_robin", "random"),
+                   "dynamo": ("kv", "round_robin")}  # fmt: skip
 SERVER_READY_TIMEOUT_S = 300.0
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 15.0
@@ -46,13 +47,15 @@ class Contender:
     spec: str  # "conductor", "sglang:cache_aware", ...
     router: str | None
     policy: str
-    deployment: str  # "colocated", "disaggregated" (our clusters) or "vllm-pd" (stock vLLM servers)
+    deployment: str  # "colocated", "disaggregated" (our clusters), "vllm-pd" (stock vLLM servers) or "dynamo"
 
     @property
     def label(self) -> str:
         """Table label, e.g. ``sglang-router cache_aware``."""
         if self.router is None:
             return f"conductor{' PD' if self.deployment == 'disaggregated' else ''} ({self.policy})"
+        if self.router == "dynamo":
+            return f"dynamo {self.policy} (its mocker workers)"
         return f"{ROUTER_PACKAGES[self.router]}{' PD' if self.router == 'vllm-pd' else ''} {self.policy}"
 
 
@@ -64,11 +67,15 @@ def parse_contender(spec: str, conductor_policy: str = "kvcache_centric") -> Con
     if router not in ROUTER_MODULES or policy not in ROUTER_POLICIES[router]:
         choices = ", ".join(f"{r}:{p}" for r, ps in ROUTER_POLICIES.items() for p in ps)
         raise ValueError(f"unknown contender {spec!r}: use conductor, conductor:disaggregated or one of {choices}")
-    return Contender(spec, router, policy, "vllm-pd" if router == "vllm-pd" else "colocated")
+    return Contender(spec, router, policy, router if router in ("vllm-pd", "dynamo") else "colocated")
 
 
 def router_available(router: str) -> str | None:
-    """None when the router's launcher imports here, else why not."""
+    """None when the router's launcher imports here (Dynamo: in its own environment), else why not."""
+    if router == "dynamo":
+        from bench.compare.dynamo_live import missing
+
+        return missing()
     module = ROUTER_MODULES[router]
     try:
         found = importlib.util.find_spec(module) is not None

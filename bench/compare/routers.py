@@ -60,6 +60,7 @@ import httpx
 
 from bench.compare import report
 from bench.compare.cluster import colocated, disaggregated
+from bench.compare.dynamo_live import dynamo_frontend, dynamo_workers
 from bench.compare.peers import (
     KV_AWARE_NOTE,
     Contender,
@@ -80,7 +81,8 @@ DEFAULT_CONTENDERS = {
                 "vllm:kv_aware"),
     "vllm": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:power_of_two",
              "vllm-pd:cache_aware"),
-    "emulated": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware"),
+    "emulated": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware",
+                 "dynamo:kv"),
 }  # fmt: skip
 PROBE_REQUESTS = 4
 WARMUP_REQUESTS = 2
@@ -223,6 +225,12 @@ def _one(contender: Contender, i: int, args: argparse.Namespace, front: dict[str
     if contender.router is None:
         return run_contender(contender, i, args, front["rest"], front["workers"])
     log = root / f"{contender.router}-{contender.policy}.log"
+    if contender.router == "dynamo":
+        print(f"[routers] starting {contender.label}'s frontend (log {log}) ...", file=sys.stderr, flush=True)
+        with dynamo_frontend(contender.policy, args.model, front["store"], log, args.workers) as base_url:
+            warm_up([base_url], args.model)
+            result = run_contender(contender, i, args, base_url, front["workers"])
+        return result | {"log": str(log)}
     print(f"[routers] starting {contender.label} (log {log}) ...", file=sys.stderr, flush=True)
     router_args = front["router_args"] + (front["kv_event_args"] if contender.spec == "vllm:kv_aware" else [])
     with running_router(contender, router_args, log) as base_url:
@@ -245,6 +253,12 @@ def kv_event_args(workers: Sequence[WorkerInfo], model: str) -> list[str]:
 @contextmanager
 def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iterator[dict[str, Any]]:
     """Bring one deployment up and warm it; yields its workers, gateway URL, router arguments, start-up time."""
+    if deployment == "dynamo":
+        t0 = time.monotonic()
+        with dynamo_workers(args, root / deployment) as store:
+            yield {"workers": [], "rest": None, "router_args": [], "kv_event_args": [], "store": store,
+                   "startup_s": time.monotonic() - t0}  # fmt: skip
+        return
     if deployment == "vllm-pd":
         t0 = time.monotonic()
         with stock_vllm_pd(args, root / deployment) as router_args:
@@ -267,6 +281,8 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     contenders = [parse_contender(spec, conductor_policy(args.set)) for spec in args.contenders]
     if any(c.deployment == "vllm-pd" for c in contenders) and args.engine != "vllm":
         raise ValueError("vllm-pd contenders need --engine vllm (vllm-router drives vLLM servers)")
+    if any(c.deployment == "dynamo" for c in contenders) and args.engine != "emulated":
+        raise ValueError("dynamo contenders need --engine emulated (Dynamo's mocker runs the emulated profile)")
     results: dict[str, Any] = {}
     deployments: dict[str, Any] = {}
     for deployment in dict.fromkeys(c.deployment for c in contenders):

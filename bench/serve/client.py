@@ -49,10 +49,14 @@ class RequestResult:
 
     @property
     def tbt(self) -> float | None:
-        """The paper's TBT: the mean of the longest 10% of the gaps between chunks; None without gaps."""
-        if self.error or not self.itl:
+        """The paper's TBT: the mean of the longest 10% of the gaps between tokens; None with fewer than two.
+
+        A stream that carried fewer chunks than tokens (a server that sends several tokens a chunk, or
+        none for tokens that detokenize to nothing) has no gap per token: its mean gap (TPOT) stands in.
+        """
+        if self.error or self.output_tokens < 2 or not self.itl:
             return None
-        return request_tbt(self.itl)
+        return request_tbt(self.itl) if len(self.itl) + 1 >= self.output_tokens else self.tpot
 
 
 def error_reason(status: int, body: str) -> str:

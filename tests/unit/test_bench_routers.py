@@ -20,7 +20,9 @@ def test_contender_specs():
     stock = parse_contender("vllm-pd:cache_aware")
     assert (stock.label, stock.deployment, stock.router) == ("vllm-router PD cache_aware", "vllm-pd", "vllm-pd")
     assert parse_contender("sglang:cache_aware").deployment == "colocated"
-    for bad in ("sglang:kv_aware", "vllm-pd:kv_aware", "conductor:pd"):
+    dynamo = parse_contender("dynamo:kv")  # Dynamo's frontend over its own mocker workers
+    assert (dynamo.label, dynamo.deployment, dynamo.router) == ("dynamo kv (its mocker workers)", "dynamo", "dynamo")
+    for bad in ("sglang:kv_aware", "vllm-pd:kv_aware", "conductor:pd", "dynamo:cache_aware"):
         with pytest.raises(ValueError, match="unknown contender"):
             parse_contender(bad)
     assert conductor_policy(["scheduler.policy=round_robin", "gateway.port=0"]) == "round_robin"
@@ -80,3 +82,19 @@ def test_slo_capacity_is_the_highest_rate_up_to_which_every_rate_held_90_percent
     assert slo_capacity(ours) == 4.0 and slo_capacity(peer) == 1.0 and slo_capacity({1.0: run(0.5, 0.5)}) is None
     md = capacity_markdown({"conductor": ours, "peer": peer}, ["peer"])
     assert "| peer | 1.0 | 0.90 | 0.90 |" in md and "| conductor | 4.0 | 3.60 | 1.00 |" in md and "4.00x" in md
+
+
+def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
+    from bench.compare.dynamo_live import mocker_command
+    from cli.local_cluster import REPO, TINY_MODEL
+
+    args = argparse.Namespace(config=str(REPO / "deploy/emulated.toml"), set=["colocated.max_concurrent_requests=64"],
+                              model_overrides=(*TINY_MODEL, 'engine.backend="emulated"'), model="tiny-llama",
+                              workers=16)  # fmt: skip
+    command = mocker_command(args, tmp_path / "table.npz")
+    flags = dict(zip(command[3::2], command[4::2], strict=True))
+    # deploy/emulated.toml: a 186 MiB colocated pool at 64 bytes a token in 16-token blocks, 8192-token chunks
+    assert flags["--num-workers"] == "16" and flags["--block-size"] == "16"
+    assert flags["--num-gpu-blocks-override"] == str(186 * 2**20 // (64 * 16))
+    assert flags["--max-num-seqs"] == "64" and flags["--max-num-batched-tokens"] == "8192"
+    assert flags["--model-path"].endswith("models/tiny-llama") and flags["--planner-profile-data"].endswith("table.npz")

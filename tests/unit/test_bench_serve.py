@@ -120,6 +120,9 @@ def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps_and_judges_goodput():
     assert strict["tbt_ms"]["median"] == pytest.approx(400) and strict["slo_attainment"] == 0.0
     loose = summarize([r, rejected], 1.0, ttft_slo_ms=1000, tbt_slo_ms=450)
     assert loose["good_requests"] == 1 and loose["slo_attainment"] == 0.5  # the rejected one is a miss
+    # 21 tokens in 3 chunks (a server that sends several tokens a chunk): no gap per token, the mean stands in
+    coalesced = RequestResult(100, 21, ttft=0.1, latency=1.1, itl=[0.5, 0.5], output_tokens=21)
+    assert coalesced.tbt == pytest.approx(coalesced.tpot) == pytest.approx(0.05)
 
 
 def test_a_rate_scales_a_traces_own_arrivals_and_keeps_its_bursts():

@@ -1,0 +1,119 @@
+"""Dynamo's own serving stack as a ``bench compare --routers`` contender: ``dynamo.mocker`` + ``dynamo.frontend``.
+
+Dynamo's router drives only Dynamo workers, so this contender brings its own: one ``dynamo.mocker``
+process with ``--workers`` aggregated mocker engines (each prefills and decodes) whose timing is a profile
+table of the same latency profile the emulated workers run (``[emulation] profile``), with the cluster
+config's block size, KV capacity (``[colocated] kv_cache_memory_mb`` at ``[emulation] kv_bytes_per_token``)
+and batch limits; then ``dynamo.frontend`` with the contender's router mode (``dynamo:kv`` is its KV router,
+``dynamo:round_robin`` its round robin) on a free port. Both discover each other through a file store
+(``--discovery-backend file``: no etcd or NATS). They run from Dynamo's own environment (``make dynamo``:
+``.venv-dynamo``). What its mocker does differently from our emulated engine: ``bench/scale/dynamo_replay.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from bench.compare.peers import HOST, ROUTER_STOP_TIMEOUT_S
+from cli.local_cluster import REPO, stop
+from services.common.net import free_port
+
+DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
+ROUTER_MODES = {"kv": "kv", "round_robin": "round-robin"}
+READY_TIMEOUT_S = 120.0
+
+
+def missing() -> str | None:
+    """None when Dynamo's environment is there, else why not."""
+    return None if DYNAMO_PYTHON.exists() else f"Dynamo is not installed ({DYNAMO_PYTHON} missing: run make dynamo)"
+
+
+def _env(store: Path) -> dict[str, str]:
+    return {**os.environ, "DYN_FILE_KV": str(store), "DYN_LOG": "warn", "RUST_LOG": "warn"}
+
+
+def mocker_command(args: argparse.Namespace, table: Path) -> list[str]:
+    """``dynamo.mocker`` with the cluster config's engine shape and the profile table ``table``."""
+    from services.common.config import load_config
+
+    config = load_config(args.config, [*args.model_overrides, *args.set])
+    pool = config.colocated
+    blocks = pool.kv_cache_bytes // (config.emulation.kv_bytes_per_token * config.block_size)
+    return [str(DYNAMO_PYTHON), "-m", "dynamo.mocker", "--model-path", str(REPO / config.model.path),
+            "--model-name", args.model, "--num-workers", str(args.workers), "--discovery-backend", "file",
+            "--block-size", str(config.block_size), "--num-gpu-blocks-override", str(blocks),
+            "--max-num-seqs", str(pool.max_concurrent_requests), "--max-num-batched-tokens",
+            str(pool.max_num_batched_tokens), "--planner-profile-data", str(table)]  # fmt: skip
+
+
+def _start(command: list[str], store: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write((" ".join(command) + "\n").encode())
+        log.flush()
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_env(store))
+
+
+@contextmanager
+def dynamo_workers(args: argparse.Namespace, root: Path) -> Iterator[Path]:
+    """The mocker engines, up until the block ends; yields the discovery store the frontends use."""
+    from bench.scale.dynamo_replay import profile_table
+    from scheduler.sim.profiles import named_profile
+    from services.common.config import load_config
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = load_config(args.config, [*args.model_overrides, *args.set])
+    table = profile_table(named_profile(config.emulation.profile), root / "mocker_profile.npz")
+    store = root / "discovery"
+    store.mkdir(exist_ok=True)
+    print(f"[routers] starting {args.workers} Dynamo mocker workers (log {root / 'mocker.log'}) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    process = _start(mocker_command(args, table), store, root / "mocker.log")
+    try:
+        yield store
+    finally:
+        stop(process, ROUTER_STOP_TIMEOUT_S)
+
+
+@contextmanager
+def dynamo_frontend(policy: str, model: str, store: Path, log_path: Path, workers: int) -> Iterator[str]:
+    """``dynamo.frontend`` in router mode ``policy`` until it lists ``model`` on ``workers`` engines; yields its
+    ``/v1`` base URL."""
+    port = free_port()
+    command = [str(DYNAMO_PYTHON), "-m", "dynamo.frontend", "--router-mode", ROUTER_MODES[policy],
+               "--discovery-backend", "file", "--http-host", HOST, "--http-port", str(port)]  # fmt: skip
+    process = _start(command, store, log_path)
+    base_url = f"http://{HOST}:{port}/v1"
+    try:
+        t0 = time.monotonic()
+        while not _ready(base_url, model, workers):
+            if process.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"dynamo.frontend exited with {process.returncode}: " + " | ".join(tail))
+            if time.monotonic() - t0 > READY_TIMEOUT_S:
+                raise RuntimeError(f"dynamo.frontend has no {workers} {model!r} engines after {READY_TIMEOUT_S:.0f} s "
+                                   f"({log_path})")  # fmt: skip
+            time.sleep(0.5)
+        yield base_url
+    finally:
+        stop(process, ROUTER_STOP_TIMEOUT_S)
+
+
+def _ready(base_url: str, model: str, workers: int) -> bool:
+    """Whether the frontend lists ``model`` and its health names ``workers`` generate instances."""
+    try:
+        data = httpx.get(f"{base_url}/models", timeout=2.0).json().get("data") or []
+        health = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    instances = [i for i in health.get("instances") or [] if i.get("endpoint") == "generate"]
+    return any(m.get("id") == model for m in data) and len(instances) >= workers

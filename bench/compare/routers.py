@@ -241,6 +241,20 @@ def _one(contender: Contender, i: int, args: argparse.Namespace, front: dict[str
     return result
 
 
+def _guarded(
+    contender: Contender, i: int, args: argparse.Namespace, front: dict[str, Any], root: Path
+) -> dict[str, Any]:
+    """``_one``, with a contender's failure recorded instead of raised (the others still run)."""
+    try:
+        result = _one(contender, i, args, front, root)
+    except (RuntimeError, ValueError, OSError, httpx.HTTPError) as e:
+        print(f"[routers] {contender.label} failed: {e}", file=sys.stderr, flush=True)
+        return {"label": contender.label, "failed": f"{type(e).__name__}: {e}"}
+    if contender.spec == "vllm:kv_aware" and not front["kv_event_args"]:
+        result["note"] = KV_AWARE_NOTE
+    return result
+
+
 def kv_event_args(workers: Sequence[WorkerInfo], model: str) -> list[str]:
     """vllm-router's flags that subscribe it to each worker's ZMQ KV events (none if the workers publish none)."""
     sources = [f"{w.openai_url}={w.kv_events_endpoint}" for w in workers if w.kv_events_endpoint]
@@ -284,29 +298,30 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     if any(c.deployment == "dynamo" for c in contenders) and args.engine != "emulated":
         raise ValueError("dynamo contenders need --engine emulated (Dynamo's mocker runs the emulated profile)")
     results: dict[str, Any] = {}
+    runnable = []
+    for i, contender in enumerate(contenders):
+        missing = contender.router and router_available(contender.router)
+        if missing:
+            results[contender.spec] = {"label": contender.label, "skipped": missing}
+            print(f"[routers] skipping {contender.label}: {missing}", file=sys.stderr, flush=True)
+        else:
+            runnable.append((i, contender))
     deployments: dict[str, Any] = {}
-    for deployment in dict.fromkeys(c.deployment for c in contenders):
-        with deployment_up(deployment, args, root) as front:
-            deployments[deployment] = {"workers": [vars(w) for w in front["workers"]], "startup_s": front["startup_s"]}
-            for i, contender in enumerate(contenders):
-                if contender.deployment != deployment:
-                    continue
-                missing = contender.router and router_available(contender.router)
-                if missing:
-                    results[contender.spec] = {"label": contender.label, "skipped": missing}
-                    print(f"[routers] skipping {contender.label}: {missing}", file=sys.stderr, flush=True)
-                    continue
-                try:
-                    results[contender.spec] = _one(contender, i, args, front, root)
-                except (RuntimeError, ValueError, httpx.HTTPError) as e:
-                    results[contender.spec] = {"label": contender.label, "failed": f"{type(e).__name__}: {e}"}
-                    print(f"[routers] {contender.label} failed: {e}", file=sys.stderr, flush=True)
-                if (
-                    contender.spec == "vllm:kv_aware"
-                    and "levels" in results[contender.spec]
-                    and not front["kv_event_args"]
-                ):
-                    results[contender.spec]["note"] = KV_AWARE_NOTE
+    for deployment in dict.fromkeys(c.deployment for _, c in runnable):
+        mine = [(i, c) for i, c in runnable if c.deployment == deployment]
+        try:
+            with deployment_up(deployment, args, root) as front:
+                deployments[deployment] = {"workers": [vars(w) for w in front["workers"]],
+                                           "startup_s": front["startup_s"]}  # fmt: skip
+                for i, contender in mine:
+                    results[contender.spec] = _guarded(contender, i, args, front, root)
+        except (RuntimeError, ValueError, OSError, httpx.HTTPError) as e:  # the deployment itself failed
+            print(f"[routers] the {deployment} deployment failed: {e}", file=sys.stderr, flush=True)
+            for _, contender in mine:
+                results.setdefault(
+                    contender.spec,
+                    {"label": contender.label, "failed": f"{deployment} deployment: {type(e).__name__}: {e}"},
+                )
     return {"deployments": deployments, "contenders": results}
 
 

@@ -98,3 +98,24 @@ def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
     assert flags["--num-gpu-blocks-override"] == str(186 * 2**20 // (64 * 16))
     assert flags["--max-num-seqs"] == "64" and flags["--max-num-batched-tokens"] == "8192"
     assert flags["--model-path"].endswith("models/tiny-llama") and flags["--planner-profile-data"].endswith("table.npz")
+
+
+def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
+    from contextlib import contextmanager
+
+    from bench.compare import routers
+
+    @contextmanager
+    def deployment_up(deployment, args, root):
+        if deployment == "dynamo":
+            raise OSError("[Errno 2] No such file or directory: '.venv-dynamo/bin/python'")
+        yield {"workers": [], "startup_s": 1.0, "kv_event_args": []}
+
+    monkeypatch.setattr(routers, "deployment_up", deployment_up)
+    monkeypatch.setattr(routers, "_one", lambda c, i, args, front, root: {"label": c.label, "levels": {}})
+    monkeypatch.setattr(routers, "router_available", lambda router: "not installed" if router == "vllm" else None)
+    args = argparse.Namespace(contenders=["conductor", "dynamo:kv", "vllm:cache_aware", "conductor:disaggregated"],
+                              set=[], engine="emulated")  # fmt: skip
+    result = routers.compare_routers(args, tmp_path)["contenders"]
+    assert "levels" in result["conductor"] and "levels" in result["conductor:disaggregated"]
+    assert "OSError" in result["dynamo:kv"]["failed"] and result["vllm:cache_aware"]["skipped"] == "not installed"

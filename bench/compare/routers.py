@@ -393,8 +393,9 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     result = compare_routers(args, root)
     record = {"kind": "routers", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0, **result,
               "workload": {k: getattr(args, k) for k in ("workload", "endpoint", "num_requests", "num_prefixes",
-                           "suffixes_per_prefix", "prefix_len", "suffix_len", "output_len", "seed", "concurrency",
-                           "request_rates", "ttft_slo_ms", "tpot_slo_ms", "tbt_slo_ms", "prefill_workers")},
+                           "suffixes_per_prefix", "prefix_len", "suffix_len", "output_len", "trace", "limit", "seed",
+                           "concurrency", "request_rates", "ttft_slo_ms", "tpot_slo_ms", "tbt_slo_ms",
+                           "prefill_workers")},
               "overrides": args.set}  # fmt: skip
     swept = levels(args)
     labels = [level.label for level in swept]
@@ -402,9 +403,10 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     if not runs:
         raise RuntimeError("no contender ran: " + "; ".join(
             f"{r['label']}: {r.get('skipped') or r.get('failed')}" for r in record["contenders"].values()))  # fmt: skip
-    title = (f"bench compare --routers: {args.workload}, {args.num_requests} requests over {args.num_prefixes} "
-             f"prefixes, {args.engine} engine, {args.workers} worker slots of one engine each behind every "
-             "front end")  # fmt: skip
+    shape = (f"the first {args.limit} requests of {Path(args.trace).name}" if args.workload == "trace" else
+             f"{args.workload}, {args.num_requests} requests over {args.num_prefixes} prefixes")  # fmt: skip
+    title = (f"bench compare --routers: {shape}, {args.engine} engine, {args.workers} worker slots of one engine "
+             "each behind every front end")  # fmt: skip
     (out / "routers.json").write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
     (out / "routers.md").write_text(markdown(record, title, swept))
     report.plot(runs, out / "routers.png", title, colors=colors(list(runs)))

@@ -169,3 +169,47 @@ def test_conductor_results_name_clean_code_and_the_readme_says_what_the_json_say
     assert target <= 3.0 and f"Met: {target:.2f} ms" in " ".join(readme.split())
     assert f"(now {rows[(64, 32768)]['total_p50_ms']:.2f} ms)" in readme
     assert f"{rows[(256, 100000)]['total_p50_ms']:.1f} ms p50" in readme
+
+
+def _capacity(markdown):
+    """The SLO-capacity table of a rate sweep's write-up, and its Conductor / best peer ratio line."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| front end | capacity"))
+    table = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    ratio = next((line for line in lines if line.startswith("Best Conductor capacity")), None)
+    return table, ratio
+
+
+def test_scale_sweeps_name_clean_code_and_the_readme_quotes_their_capacities():
+    from bench.compare.report import slo_capacity
+
+    folder = SIM.parent / "scale"
+    readme = (folder / "README.md").read_text()
+    flat = " ".join(readme.split())
+    record = json.loads((folder / "trace" / "routers.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"]
+    assert record["command"].startswith("kvconductor bench compare --engine emulated --routers --workload trace")
+    table, ratio = _capacity((folder / "trace" / "routers.md").read_text())
+    assert all(line in readme for line in table), "README.md does not quote trace/routers.md's capacity table"
+    ran = {c["spec"]: c for c in record["contenders"].values() if "levels" in c}
+    caps = {spec: slo_capacity({v["rate"]: v["summary"] for v in c["levels"].values()}) for spec, c in ran.items()}
+    peers = max(cap for spec, cap in caps.items() if not spec.startswith("conductor"))
+    assert ratio == f"Best Conductor capacity / best peer capacity: {caps['conductor:disaggregated'] / peers:.2f}x"
+    at12 = {spec: c["levels"]["rate=12"]["summary"] for spec, c in ran.items()}
+    claims = [
+        f"up to {caps['conductor:disaggregated']:g} req/s; the best peer, sglang-router cache_aware, up to "
+        f"{caps['sglang:cache_aware']:g} req/s: {caps['conductor:disaggregated'] / peers:.2f}x",
+        f"At 12 req/s the split keeps {at12['conductor:disaggregated']['slo_attainment']:.0%} within SLO against "
+        f"{at12['sglang:cache_aware']['slo_attainment']:.0%} for sglang-router, "
+        f"{at12['vllm:cache_aware']['slo_attainment']:.0%} and {at12['vllm:kv_aware']['slo_attainment']:.0%} for "
+        f"vllm-router, {at12['dynamo:kv']['slo_attainment']:.0%} for Dynamo",
+        f"(TBT p90 {at12['conductor']['tbt_ms']['p90']:.0f} ms for our own colocated Conductor at 12 req/s, "
+        f"{at12['sglang:cache_aware']['tbt_ms']['p90']:.0f} ms for sglang-router, "
+        f"{at12['dynamo:kv']['tbt_ms']['p90']:.0f} ms for Dynamo)",
+    ]
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"README.md disagrees with trace/routers.json: {missing}"

@@ -213,3 +213,31 @@ def test_scale_sweeps_name_clean_code_and_the_readme_quotes_their_capacities():
     ]
     missing = [c for c in claims if c not in flat]
     assert not missing, f"README.md disagrees with trace/routers.json: {missing}"
+
+
+def test_the_shared_prefix_sweep_readme_says_what_its_json_says():
+    from bench.compare.report import slo_capacity
+
+    folder = SIM.parent / "scale" / "shared-prefix"
+    readme = (folder.parent / "README.md").read_text()
+    flat = " ".join(readme.split())
+    record = json.loads((folder / "routers.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"]
+    table, ratio = _capacity((folder / "routers.md").read_text())
+    assert all(line in readme for line in table)
+    assert f"({ratio.rsplit(' ', 1)[1]} for the best Conductor)" in flat  # Dynamo's own stack is the best peer here
+    at9 = {c["spec"]: c["levels"]["rate=9"]["summary"] for c in record["contenders"].values() if "levels" in c}
+    caps = {spec: slo_capacity({9.0: s}) for spec, s in at9.items()}
+    assert [spec for spec, cap in caps.items() if cap is None] == ["sglang:cache_aware", "vllm:cache_aware",
+                                                                   "vllm:kv_aware"]  # fmt: skip
+    claims = [
+        f"(sglang-router {at9['sglang:cache_aware']['slo_attainment']:.0%} at 9 req/s, its circuit breaker again: "
+        f"{at9['sglang:cache_aware']['failed']} of 400 failed; vllm-router cache_aware "
+        f"{at9['vllm:cache_aware']['slo_attainment']:.0%}, kv_aware {at9['vllm:kv_aware']['slo_attainment']:.0%})",
+        f"TTFT p50 {at9['vllm:kv_aware']['ttft_ms']['median'] / 1e3:.1f}-"
+        f"{at9['vllm:cache_aware']['ttft_ms']['median'] / 1e3:.1f} s at 9 req/s against "
+        f"{at9['conductor']['ttft_ms']['median'] / 1e3:.2f} s (colocated) and "
+        f"{at9['conductor:disaggregated']['ttft_ms']['median'] / 1e3:.1f} s (PD)",
+    ]
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"README.md disagrees with shared-prefix/routers.json: {missing}"

@@ -37,6 +37,19 @@ POLICIES = tuple(RULES)
 EARLY_REJECTION = ("prediction", "plain")
 
 
+def exposed_tokens(num_prompt_tokens: int, reused: int, chunk_tokens: int) -> int:
+    """Prompt tokens whose KV is still to send to decode after token 0.
+
+    A prefill in one chunk sends the whole prompt's KV after it; in several chunks the KV of the reused
+    prefix and of every chunk but the last streams out while later chunks compute, so only the last
+    chunk's is exposed. ``chunk_tokens`` 0: no streaming.
+    """
+    new = num_prompt_tokens - reused
+    if chunk_tokens <= 0 or new <= chunk_tokens:
+        return num_prompt_tokens
+    return new - (new - 1) // chunk_tokens * chunk_tokens
+
+
 @dataclass(frozen=True)
 class PrefillCandidate:
     """A prefill (or colocated) instance as the Conductor sees it for one request."""
@@ -64,11 +77,8 @@ class PrefillCandidate:
         return t
 
     def exposed_tokens(self, num_prompt_tokens: int, reused: int) -> int:
-        """Prompt tokens whose KV is still to send after token 0: all, or only the last chunk's."""
-        new = num_prompt_tokens - reused
-        if self.chunk_tokens <= 0 or new <= self.chunk_tokens:
-            return num_prompt_tokens
-        return new - (new - 1) // self.chunk_tokens * self.chunk_tokens
+        """Prompt tokens whose KV is still to send after token 0 here (see ``exposed_tokens``)."""
+        return exposed_tokens(num_prompt_tokens, reused, self.chunk_tokens)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ these contenders, one after the other:
   started on a free port with ``--worker-urls`` = every worker's ``openai_url`` (the OpenAI API each
   colocated worker serves itself, read from its etcd record), then stopped after its runs. The clusters
   run with ``[engine] zmq_kv_events``, so ``vllm:kv_aware`` subscribes to every worker's KV events in
-  vLLM's ZMQ format (``--kv-event-source URL=ENDPOINT``, the endpoint from the worker's etcd record).
+  vLLM's ZMQ format (``--kv-event-source URL=ENDPOINT``, the endpoint from the worker's etcd record),
+  and with ``[scheduler] worker_endpoint_admission`` off: a worker's own endpoint queues every request as a
+  stock vLLM or SGLang server does (``--set scheduler.worker_endpoint_admission=true`` gives the peers our
+  per-worker SLO admission, whose 429s sglang-router's circuit breaker counts as worker failures).
 
 Two more deployments use the same two worker slots (one engine each), started after the colocated cluster
 is stopped:
@@ -212,8 +215,10 @@ def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> I
     if args.cluster_json and deployment == "colocated":
         yield json.loads(Path(args.cluster_json).read_text())
         return
-    # the workers' KV events in vLLM's ZMQ format too, for vllm-router's kv_aware policy
-    overrides = [*args.model_overrides, "engine.zmq_kv_events=true", *args.set, *deployment_overrides(deployment, args)]
+    # the workers' KV events in vLLM's ZMQ format too, for vllm-router's kv_aware policy; their own OpenAI
+    # endpoints admit everything, as the stock servers the peer routers are built for do
+    overrides = [*args.model_overrides, "engine.zmq_kv_events=true", "scheduler.worker_endpoint_admission=false",
+                 *args.set, *deployment_overrides(deployment, args)]  # fmt: skip
     print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ cache (blocks may have been evicted, or added, since the Conductor planned); if 
 first pulls the missing prefix from the best holder (``T_transfer``), then computes the rest in chunks
 of at most ``chunk_tokens`` with the profile's ``PrefillModel`` (each chunk pays the fixed cost c0 and
 attends to everything before it). At the end it stores the prompt's full blocks (copied ones too: that
-is the hot-spot replication of Algorithm 1) and its KV leaves for the decode instance.
+is the hot-spot replication of Algorithm 1); its KV has streamed to the decode instance chunk by chunk,
+all but the last chunk's while later chunks computed (``scheduler.policy.exposed_tokens``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class PrefillJob:
     plan_prefix: int  # tokens the plan reuses (best_len when it copies)
     copies: bool  # the plan copies KV from another instance
     decode_instance: str
+    reused: int = 0  # prompt tokens it did not compute (own cache and copied), known at its start
 
     def start(self, cache: PrefixCache, block_size: int, now: float) -> int:
         """Look the prompt up at start time; record local and copied tokens; return the reused tokens."""
@@ -58,6 +60,7 @@ class PrefillJob:
             self.record.copied_tokens = prefix - own
             self.record.copy_bytes = self.shape.kv_bytes(prefix - own)
         self.record.local_tokens = own
+        self.reused = prefix
         return prefix
 
 

@@ -157,7 +157,17 @@ def analytic_gpu(spec: GpuSpec | None = None) -> Profile:
     )
 
 
-PROFILES = {"analytic-gpu": analytic_gpu, "measured-cpu": measured_cpu}
+def analytic_gpu_linear() -> Profile:
+    """analytic-gpu without the attention term (c2 = 0): a prefill costs c0 + c1 per new token, whatever is cached.
+
+    This is exactly what a prefill table indexed by new tokens alone charges (Dynamo's mocker looks a chunk's
+    time up by its uncached tokens), so its engines and ours run one cost model in a like-for-like comparison.
+    """
+    profile = analytic_gpu(GpuSpec(attn_coef=0.0))
+    return replace(profile, name=profile.name.replace("analytic-gpu", "analytic-gpu-linear", 1))
+
+
+PROFILES = {"analytic-gpu": analytic_gpu, "analytic-gpu-linear": analytic_gpu_linear, "measured-cpu": measured_cpu}
 
 
 def named_profile(spec: str) -> Profile:

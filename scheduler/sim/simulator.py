@@ -25,7 +25,7 @@ from scheduler.booking import request_blocks
 from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels
 from scheduler.kv_index import KVIndex
-from scheduler.policy import POLICIES, ConductorPolicy, Plan, PolicyConfig, Rejection, RequestShape, Slo
+from scheduler.policy import POLICIES, ConductorPolicy, Plan, PolicyConfig, Rejection, RequestShape, Slo, exposed_tokens
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import Noise, PrefillInstance, PrefillJob
@@ -236,7 +236,8 @@ class Simulator:
         if next_end is not None:
             self._push(next_end, _PREFILL_DONE, p)
         record = job.record
-        record.first_token = now + self.profile.link.predict(job.shape.kv_bytes(job.shape.num_prompt_tokens))
+        exposed = exposed_tokens(job.shape.num_prompt_tokens, job.reused, self.profile.chunk_tokens)
+        record.first_token = now + self.profile.link.predict(job.shape.kv_bytes(exposed))
         decode = self._decode_by_id[job.decode_instance]
         self.core.decode_started(decode.state, record.request_id, record.first_token)
         if record.num_output_tokens > 1:

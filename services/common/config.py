@@ -133,7 +133,8 @@ class EngineConfig:
 class EmulationConfig:
     """``[emulation]``: what an emulated engine (``[engine] backend = "emulated"``) pretends to be."""
 
-    # step times: a built-in profile ("analytic-gpu": LLaMA3-70B-like on 8 x A800; "measured-cpu") or the
+    # step times: a built-in profile ("analytic-gpu": LLaMA3-70B-like on 8 x A800; "analytic-gpu-linear": the
+    # same without the attention term, what Dynamo's mocker charges; "measured-cpu") or the
     # path of a JSON profile (scheduler/sim/profiles.py: "prefill" and "decode" coefficients, e.g. measured on a GPU)
     profile: str = "analytic-gpu"
     time_scale: float = 1.0  # wall seconds per emulated second (2 = everything twice as slow as the profile)
@@ -214,6 +215,10 @@ class SchedulerConfig:
     policy: str = "kvcache_centric"
     estimate_model: str = "empirical"  # cost models fitted from measured runs
     reject_on_slo_violation: bool = True  # refuse requests whose predicted TTFT/TBT breaks the SLO
+    # A colocated worker's own OpenAI endpoint (for a third-party router in front) admits as the Conductor does
+    # (HTTP 429 for what would break the SLO); false: it admits and queues everything, as a stock vLLM or SGLang
+    # server does (a router whose circuit breaker counts 429s as worker failures wants that).
+    worker_endpoint_admission: bool = True
     # "prediction": judge TBT on the decode load predicted for when the request's prefill ends;
     # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
     early_rejection: str = "prediction"

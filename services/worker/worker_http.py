@@ -3,8 +3,9 @@
 Third-party OpenAI routers (the SGLang router, vLLM's router) front workers that speak HTTP. So a
 colocated worker also runs the REST shim (``/health``, ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions``, ``/tokenize``, ``/get_load``) over a Conductor of its own: the same Conductor
-code, with a view that holds only this worker, served on the worker's gRPC server. The shim runs on its
-own thread and event loop; its URL is published in the worker's etcd record as ``openai_url``.
+code, with a view that holds only this worker, served on the worker's gRPC server; it admits by the SLO as
+the Conductor does unless ``[scheduler] worker_endpoint_admission`` is off. The shim runs on its own thread
+and event loop; its URL is published in the worker's etcd record as ``openai_url``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ class WorkerEndpoint:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.view = ClusterView(worker.config.engine.backend)
-        self.conductor = conductor.ConductorServicer(worker.config, self.view, load_tokenizer(worker.config.model.path))
+        config = worker.config
+        admits = config.scheduler.reject_on_slo_violation and config.scheduler.worker_endpoint_admission
+        config = replace(config, scheduler=replace(config.scheduler, reject_on_slo_violation=admits))
+        self.view = ClusterView(config.engine.backend)
+        self.conductor = conductor.ConductorServicer(config, self.view, load_tokenizer(config.model.path))
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 

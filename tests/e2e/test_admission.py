@@ -113,3 +113,28 @@ def test_an_overload_burst_does_not_lock_admission_out(small):
     assert error <= MAX_ERROR + scatter, (
         f"median TTFT prediction error {error:.0%}, scatter {scatter:.0%} (predicted/measured ms: {shown})"
     )
+
+
+def test_worker_endpoint_can_admit_what_the_conductor_refuses(tmp_path, model_dir):
+    """``[scheduler] worker_endpoint_admission = false``: a colocated worker's own OpenAI endpoint, fronted by a
+    third-party router, queues a request whose predicted TTFT breaks the SLO, as a stock vLLM or SGLang server
+    would (no 429 for a circuit breaker to count); the Conductor behind the gateway still refuses it."""
+    import httpx
+    from helpers import worker_record
+
+    with running_cluster(
+        tmp_path / "run", model_dir, "prefill.node_count=0", "decode.node_count=0", "colocated.node_count=1",
+        "colocated.max_ttft_ms=1", "scheduler.worker_endpoint_admission=false",
+    ) as c:  # fmt: skip
+        url = worker_record(c, "colocated").openai_url
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the worker's OpenAI endpoint never became healthy"
+            time.sleep(0.2)
+        body = {"model": "tiny-llama", "prompt": "Hello " * 100, "max_tokens": 4, "temperature": 0}
+        refused = httpx.post(f"{c.rest}/completions", json=body, timeout=60)
+        assert refused.status_code == 429, refused.text
+        assert "SLO" in refused.json()["error"]["message"]
+        served = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 4

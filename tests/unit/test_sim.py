@@ -9,7 +9,7 @@ import pytest
 from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
 from scheduler.policy import ConductorPolicy
 from scheduler.sim.metrics import RequestRecord, summarize, tbt_of
-from scheduler.sim.profiles import GpuSpec, Profile, analytic_gpu, load_profile
+from scheduler.sim.profiles import GpuSpec, Profile, analytic_gpu, load_profile, named_profile
 from scheduler.sim.simulator import SIM_POLICIES, SimConfig, Simulator
 from scheduler.sim.trace import TraceRequest, block_hash, load_trace
 
@@ -51,6 +51,21 @@ def test_one_request_decodes_at_the_profile_step_time():
     assert steps[0] - r.first_token == pytest.approx(first)
     assert steps[1] - steps[0] == pytest.approx(PROFILE.decode.predict(1, 1002))
     assert r.finish == pytest.approx(steps[1])
+
+
+def test_prompt_kv_streams_to_decode_during_later_chunks():
+    """Live, each chunk's KV leaves while the next computes: token 0 waits only for the last chunk's."""
+    link = TransferModel(latency_s=0.001, bandwidth_bytes_per_s=1e9)
+    profile = replace(PROFILE, link=link, chunk_tokens=1024)
+    r = run([request(0, 0.0, 2500, [1, 2, 3, 4, 5])], profile=profile).records[0]
+    prefill = sum(profile.prefill.predict(n, done) for n, done in ((1024, 0), (1024, 1024), (452, 2048)))
+    last_chunk = link.predict(BS * profile.bytes_per_token)  # its 452 tokens' one block
+    assert r.first_token - r.arrival == pytest.approx(prefill + last_chunk)
+    assert r.predicted_ttft == pytest.approx(profile.prefill.predict(2500, 0) + last_chunk)  # the policy's the same
+    one_chunk = run([request(0, 0.0, 1000, [1])], profile=profile).records[0]  # all of it goes after
+    assert one_chunk.first_token - one_chunk.arrival == pytest.approx(
+        profile.prefill.predict(1000, 0) + link.predict(2 * BS * profile.bytes_per_token)
+    )
 
 
 def test_second_identical_prefix_hits_the_cache():
@@ -145,6 +160,13 @@ def test_analytic_profile_is_the_papers_formula_in_closed_form():
     paper = spec.layers * (spec.attn_coef * n * n * spec.hidden + spec.linear_coef * n * spec.hidden**2) / flops
     assert p.prefill.predict(n, 0) - p.prefill.c0 == pytest.approx(paper)
     assert p.bytes_per_token == 327_680  # 2 x 80 layers x 8 KV heads x 128 x 2 bytes
+
+
+def test_linear_profile_charges_new_tokens_only_as_a_one_dimensional_table_does():
+    full, linear = named_profile("analytic-gpu"), named_profile("analytic-gpu-linear")
+    assert linear.prefill.predict(4096, 8192) == linear.prefill.predict(4096, 0)  # the cached context is free
+    assert linear.prefill.predict(4096, 0) == pytest.approx(full.prefill.c0 + full.prefill.c1 * 4096)
+    assert (linear.decode, linear.link, linear.chunk_tokens) == (full.decode, full.link, full.chunk_tokens)
 
 
 def test_trace_and_profile_files(tmp_path):

@@ -41,8 +41,8 @@ prompt tokens each worker's engine looked up and its prefix-cache hits. After th
 sends ``PROBE_REQUESTS`` sequential requests that share one fresh prefix: a cache-aware router sends
 them all to one worker, a round-robin one spreads them.
 
-Writes ``routers.json``, ``routers.md`` and ``routers.png`` under ``--out``; logs of the cluster and
-of every router under ``runs/``.
+Writes ``routers.json`` (summaries), ``requests.jsonl`` (every request of every run), ``routers.md`` and
+``routers.png`` under ``--out``; logs of the cluster and of every router under ``runs/``.
 """
 
 from __future__ import annotations
@@ -392,6 +392,19 @@ def colors(labels: Sequence[str]) -> list[str]:
     return out
 
 
+def write_requests(record: dict[str, Any], path: Path) -> None:
+    """Move every run's per-request records out of ``record`` into ``path``, one JSON line per request.
+
+    ``routers.json`` keeps the summaries (a 400-request rate sweep's records are megabytes; git ignores
+    ``requests.jsonl``); the lines name their contender and level, for a closer look at one run.
+    """
+    with path.open("w") as f:
+        for label, contender in record["contenders"].items():
+            for level, run in contender.get("levels", {}).items():
+                for r in run.pop("requests", []):
+                    f.write(json.dumps(metrics.jsonable({"contender": label, "level": level, **r}), default=str) + "\n")
+
+
 def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str, Any]:
     """Run the comparison and write ``routers.{json,md,png}``; the JSON record."""
     t0 = time.monotonic()
@@ -412,6 +425,7 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
              f"{args.workload}, {args.num_requests} requests over {args.num_prefixes} prefixes")  # fmt: skip
     title = (f"bench compare --routers: {shape}, {args.engine} engine, {args.workers} worker slots of one engine "
              "each behind every front end")  # fmt: skip
+    write_requests(record, out / "requests.jsonl")
     (out / "routers.json").write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
     (out / "routers.md").write_text(markdown(record, title, swept))
     report.plot(runs, out / "routers.png", title, colors=colors(list(runs)))

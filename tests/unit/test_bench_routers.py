@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
+from bench.compare import routers
 from bench.compare.peers import parse_contender, router_command
 from bench.compare.report import capacity_markdown, slo_capacity
 from bench.compare.routers import Level, conductor_policy, levels, workers_markdown
@@ -119,3 +121,13 @@ def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(m
     result = routers.compare_routers(args, tmp_path)["contenders"]
     assert "levels" in result["conductor"] and "levels" in result["conductor:disaggregated"]
     assert "OSError" in result["dynamo:kv"]["failed"] and result["vllm:cache_aware"]["skipped"] == "not installed"
+
+
+def test_per_request_records_move_out_of_the_summary_json(tmp_path):
+    run = {"summary": {"completed": 2}, "requests": [{"ttft": 0.5}, {"ttft": 0.7}]}
+    record = {"contenders": {"conductor": {"levels": {"rate=6": run}}, "dynamo kv": {"failed": "no venv"}}}
+    routers.write_requests(record, tmp_path / "requests.jsonl")
+    assert record["contenders"]["conductor"]["levels"]["rate=6"] == {"summary": {"completed": 2}}
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert lines == [{"contender": "conductor", "level": "rate=6", "ttft": 0.5},
+                     {"contender": "conductor", "level": "rate=6", "ttft": 0.7}]  # fmt: skip

@@ -7,7 +7,9 @@ computed from them:
   works first come, first served, so the bookings keep the predicted time its queue drains
   (``busy_until``): a new booking starts when the queue drains, and a finished prefill restarts the
   clock for the ones still waiting. Subtracting the time since the oldest booking was *assigned*
-  would count its own wait in the queue as progress and read a backlog as short.
+  would count its own wait in the queue as progress and read a backlog as short. A prefill that runs
+  past its predicted end does not make the ones behind it vanish: ``T_queue`` is never less than their
+  predicted work (the late one's own remainder is unknown, counted as none).
 * the decode batch: each request's expected join time (assignment + predicted TTFT, or the real
   start once token 0 arrived) and decode duration, as ``Resident``s.
 * free KV blocks: the instance's blocks minus those its bookings reserve.
@@ -58,6 +60,8 @@ class Bookings:
         self.items: dict[Hashable, Booking] = {}
         self.num_blocks = 0
         self._busy_until = 0.0
+        self._pending: dict[Hashable, float] = {}  # predicted seconds of prefills not done, oldest (running) first
+        self._pending_s = 0.0
 
     def add(self, request_id: Hashable, booking: Booking) -> None:
         """Book a request; its prefill (if any) queues behind the work already booked."""
@@ -65,6 +69,8 @@ class Bookings:
         self.num_blocks += booking.num_blocks
         if booking.predicted_prefill_s:
             self._busy_until = max(self._busy_until, booking.assigned_at) + booking.predicted_prefill_s
+            self._pending[request_id] = booking.predicted_prefill_s
+            self._pending_s += booking.predicted_prefill_s
 
     def prefill_done(self, request_id: Hashable, now: float) -> None:
         """Its prefill finished (or failed): the next in line starts now."""
@@ -72,7 +78,10 @@ class Bookings:
         if booking is None or not booking.predicted_prefill_s:
             return
         booking.predicted_prefill_s = 0.0
-        self._busy_until = now + sum(b.predicted_prefill_s for b in self.items.values())
+        self._pending_s -= self._pending.pop(request_id, 0.0)
+        if not self._pending:
+            self._pending_s = 0.0  # no rounding left over once the queue is empty
+        self._busy_until = now + self._pending_s
 
     def remove(self, request_id: Hashable, now: float) -> None:
         """Forget a request (finished, failed or cancelled)."""
@@ -83,7 +92,8 @@ class Bookings:
 
     def t_queue(self, now: float) -> float:
         """Predicted seconds of prefill work ahead of a request arriving now."""
-        return max(0.0, self._busy_until - now)
+        behind = self._pending_s - next(iter(self._pending.values()), 0.0)  # waiting behind the running one
+        return max(0.0, self._busy_until - now, behind)
 
     def in_prefill(self) -> tuple[int, int]:
         """(requests whose prefill is still queued or running, the tokens they have left to compute)."""

@@ -198,6 +198,21 @@ def test_t_queue_counts_the_whole_backlog():
     assert bookings.num_blocks == 2
 
 
+def test_a_late_prefill_does_not_hide_the_queue_behind_it():
+    from scheduler.booking import Booking, Bookings
+
+    bookings = Bookings()
+    for rid in range(3):
+        bookings.add(rid, Booking(0.0, 1.0, 100, 1))  # three 1 s prefills queued at t=0
+    assert bookings.t_queue(2.5) == pytest.approx(2.0)  # the first is 1.5 s late: the two behind it still wait
+    assert bookings.t_queue(0.5) == pytest.approx(2.5)  # on time: the clock as before
+    bookings.remove(0, 3.0)
+    assert bookings.t_queue(3.0) == pytest.approx(2.0)
+    bookings.remove(1, 3.5)
+    bookings.remove(2, 4.0)
+    assert bookings.t_queue(4.0) == 0.0 and not bookings._pending
+
+
 def test_prediction_error_makes_actual_times_differ_from_predicted_ones_reproducibly():
     requests = [request(i, 2.0 * i, 1500, [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(40)]
 

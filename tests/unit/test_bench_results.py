@@ -20,7 +20,7 @@ def _tables(markdown):
 
 
 def test_sim_results_name_clean_code_and_their_command():
-    for name in ("policies.json", "overload.json"):
+    for name in ("policies.json", "policies-error-0.3.json", "overload.json"):
         record = _load(name)
         assert record["code"] and "uncommitted" not in record["code"], f"{name} ran uncommitted code"
         assert record["command"].startswith("python -m bench.sim.")
@@ -28,7 +28,7 @@ def test_sim_results_name_clean_code_and_their_command():
 
 def test_sim_readme_tables_are_the_generated_ones():
     readme = (SIM / "README.md").read_text()
-    for generated in ("policies.md", "overload.md"):
+    for generated in ("policies.md", "policies-error-0.3.md", "overload.md"):
         for row in _tables((SIM / generated).read_text()):
             assert row in readme, f"README.md lacks (or changed) this row of {generated}: {row}"
 
@@ -66,6 +66,15 @@ def test_sim_readme_prose_numbers_come_from_the_json():
         f"p99 TBT drops from {overload['plain']['tbt']['p99'] * 1e3:.1f} to "
         f"{overload['prediction']['tbt']['p99'] * 1e3:.1f} ms",
     ]
+    noisy = {p: r["summary"]["ttft"]["mean"] for p, r in _load("policies-error-0.3.json")["policies"].items()}
+    claims += [
+        f"Algorithm 1 {noisy['kvcache_centric']:.2f} s, the Dynamo rule {noisy['dynamo']:.2f} s, "
+        f"load-balancing {noisy['least_loaded']:.2f} s, local cache-aware {noisy['cache_aware']:.2f} s, the SGLang "
+        f"rule {noisy['sglang']:.2f} s, round-robin {noisy['round_robin']:.2f} s, random {noisy['random']:.2f} s",
+        f"({ours['ttft']['mean']:.2f} vs {policies['dynamo']['ttft']['mean']:.2f} s without error)",
+    ]
+    ranked = sorted((p for p in noisy if p != "colocated"), key=noisy.get)
+    assert ranked == sorted((p for p in policies if p != "colocated"), key=lambda p: policies[p]["ttft"]["mean"])
     missing = [c for c in claims if c not in readme]
     assert not missing, f"README.md disagrees with the JSON: {missing}"
     assert sum(overload["plain"]["rejections"].values()) == sum(overload["prediction"]["rejections"].values())

@@ -25,6 +25,7 @@ import httpx
 
 from bench.compare.peers import HOST, ROUTER_STOP_TIMEOUT_S
 from cli.local_cluster import REPO, stop
+from services.common.config import Config, load_config
 from services.common.net import free_port
 
 DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
@@ -41,11 +42,13 @@ def _env(store: Path) -> dict[str, str]:
     return {**os.environ, "DYN_FILE_KV": str(store), "DYN_LOG": "warn", "RUST_LOG": "warn"}
 
 
-def mocker_command(args: argparse.Namespace, table: Path) -> list[str]:
-    """``dynamo.mocker`` with the cluster config's engine shape and the profile table ``table``."""
-    from services.common.config import load_config
+def cluster_config(args: argparse.Namespace) -> Config:
+    """The config our emulated clusters of this comparison run with."""
+    return load_config(args.config, [*args.model_overrides, *args.set])
 
-    config = load_config(args.config, [*args.model_overrides, *args.set])
+
+def mocker_command(args: argparse.Namespace, config: Config, table: Path) -> list[str]:
+    """``dynamo.mocker`` with the cluster config's engine shape and the profile table ``table``."""
     pool = config.colocated
     blocks = pool.kv_cache_bytes // (config.emulation.kv_bytes_per_token * config.block_size)
     return [str(DYNAMO_PYTHON), "-m", "dynamo.mocker", "--model-path", str(REPO / config.model.path),
@@ -68,16 +71,15 @@ def dynamo_workers(args: argparse.Namespace, root: Path) -> Iterator[Path]:
     """The mocker engines, up until the block ends; yields the discovery store the frontends use."""
     from bench.scale.dynamo_replay import profile_table
     from scheduler.sim.profiles import named_profile
-    from services.common.config import load_config
 
     root.mkdir(parents=True, exist_ok=True)
-    config = load_config(args.config, [*args.model_overrides, *args.set])
+    config = cluster_config(args)
     table = profile_table(named_profile(config.emulation.profile), root / "mocker_profile.npz")
     store = root / "discovery"
     store.mkdir(exist_ok=True)
     print(f"[routers] starting {args.workers} Dynamo mocker workers (log {root / 'mocker.log'}) ...",
           file=sys.stderr, flush=True)  # fmt: skip
-    process = _start(mocker_command(args, table), store, root / "mocker.log")
+    process = _start(mocker_command(args, config, table), store, root / "mocker.log")
     try:
         yield store
     finally:

@@ -87,13 +87,13 @@ def test_slo_capacity_is_the_highest_rate_up_to_which_every_rate_held_90_percent
 
 
 def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
-    from bench.compare.dynamo_live import mocker_command
+    from bench.compare.dynamo_live import cluster_config, mocker_command
     from cli.local_cluster import REPO, TINY_MODEL
 
     args = argparse.Namespace(config=str(REPO / "deploy/emulated.toml"), set=["colocated.max_concurrent_requests=64"],
                               model_overrides=(*TINY_MODEL, 'engine.backend="emulated"'), model="tiny-llama",
                               workers=16)  # fmt: skip
-    command = mocker_command(args, tmp_path / "table.npz")
+    command = mocker_command(args, cluster_config(args), tmp_path / "table.npz")
     flags = dict(zip(command[3::2], command[4::2], strict=True))
     # deploy/emulated.toml: a 186 MiB colocated pool at 64 bytes a token in 16-token blocks, 8192-token chunks
     assert flags["--num-workers"] == "16" and flags["--block-size"] == "16"

@@ -206,12 +206,12 @@ def test_scale_sweeps_name_clean_code_and_the_readme_quotes_their_capacities():
     assert all(line in readme for line in table), "README.md does not quote trace/routers.md's capacity table"
     ran = {c["spec"]: c for c in record["contenders"].values() if "levels" in c}
     caps = {spec: slo_capacity({v["rate"]: v["summary"] for v in c["levels"].values()}) for spec, c in ran.items()}
-    peers = max(cap for spec, cap in caps.items() if not spec.startswith("conductor"))
+    peers = max(cap for spec, cap in caps.items() if not spec.startswith("conductor") and cap is not None)
     assert ratio == f"Best Conductor capacity / best peer capacity: {caps['conductor:disaggregated'] / peers:.2f}x"
     at12 = {spec: c["levels"]["rate=12"]["summary"] for spec, c in ran.items()}
     claims = [
-        f"up to {caps['conductor:disaggregated']:g} req/s; the best peer, sglang-router cache_aware, up to "
-        f"{caps['sglang:cache_aware']:g} req/s: {caps['conductor:disaggregated'] / peers:.2f}x",
+        f"up to {caps['conductor:disaggregated']:g} req/s; the best peer, Dynamo's own stack, up to "
+        f"{caps['dynamo:kv']:g} req/s: {caps['conductor:disaggregated'] / peers:.2f}x",
         f"At 12 req/s the split keeps {at12['conductor:disaggregated']['slo_attainment']:.0%} within SLO against "
         f"{at12['sglang:cache_aware']['slo_attainment']:.0%} for sglang-router, "
         f"{at12['vllm:cache_aware']['slo_attainment']:.0%} and {at12['vllm:kv_aware']['slo_attainment']:.0%} for "
@@ -222,6 +222,25 @@ def test_scale_sweeps_name_clean_code_and_the_readme_quotes_their_capacities():
     ]
     missing = [c for c in claims if c not in flat]
     assert not missing, f"README.md disagrees with trace/routers.json: {missing}"
+    earlier, _ = _capacity((folder / "trace-worker-admission" / "routers.md").read_text())
+    assert all(line in readme for line in earlier), "README.md does not quote the earlier run's capacity table"
+
+
+def test_live_vs_sim_readme_says_what_its_json_says():
+    folder = SIM.parent / "scale"
+    readme = (folder / "README.md").read_text()
+    flat = " ".join(readme.split())
+    record = json.loads((folder / "live_vs_sim.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"]
+    assert all(row in readme for row in _tables((folder / "live_vs_sim.md").read_text().split("Footprint")[0]))
+    rows = record["policies"]
+    worst = max(r["live"]["ttft_mean"] / r["sim"]["ttft_mean"] for r in rows.values())
+    assert f"within {round((worst - 1) * 100)}% for all three policies" in flat
+    assert all(not r["live"]["errors"] for r in rows.values())  # "None is lost now"
+    rr = rows["round_robin"]
+    assert f"({rr['live']['hit_rate']:.1%} vs {rr['sim']['hit_rate']:.1%}" in flat
+    total = rows["kvcache_centric"]["live"]["footprint"]["total"]
+    assert f"{total['rss_mib']:,.0f} MiB RSS in all" in flat and f"{total['cpu_cores']:.2f} cores busy" in flat
 
 
 def test_the_shared_prefix_sweep_readme_says_what_its_json_says():

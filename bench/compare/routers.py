@@ -222,7 +222,8 @@ def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> I
     print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
-        yield {**json.loads((cluster.run_dir / "cluster.json").read_text()), "startup_s": cluster.startup_s}
+        yield {**json.loads((cluster.run_dir / "cluster.json").read_text()), "startup_s": cluster.startup_s,
+               "overrides": overrides}  # fmt: skip
 
 
 def _one(contender: Contender, i: int, args: argparse.Namespace, front: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -291,6 +292,7 @@ def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iter
         rest = manifest["rest"].rstrip("/")
         warm_up([w.openai_url + "/v1" for w in workers] if deployment == "colocated" else [rest], args.model)
         yield {"workers": workers, "rest": rest, "startup_s": manifest.get("startup_s"),
+               "overrides": manifest.get("overrides", []),
                "router_args": ["--worker-urls", *(w.openai_url for w in workers)],
                "kv_event_args": kv_event_args(workers, args.model)}  # fmt: skip
 
@@ -317,7 +319,8 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         try:
             with deployment_up(deployment, args, root) as front:
                 deployments[deployment] = {"workers": [vars(w) for w in front["workers"]],
-                                           "startup_s": front["startup_s"]}  # fmt: skip
+                                           "startup_s": front["startup_s"],
+                                           "overrides": front.get("overrides", [])}  # fmt: skip
                 for i, contender in mine:
                     results[contender.spec] = _guarded(contender, i, args, front, root)
         except (RuntimeError, ValueError, OSError, httpx.HTTPError) as e:  # the deployment itself failed

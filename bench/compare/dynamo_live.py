@@ -4,7 +4,8 @@ Dynamo's router drives only Dynamo workers, so this contender brings its own: on
 process with ``--workers`` aggregated mocker engines (each prefills and decodes) whose timing is a profile
 table of the same latency profile the emulated workers run (``[emulation] profile``), with the cluster
 config's block size, KV capacity (``[colocated] kv_cache_memory_mb`` at ``[emulation] kv_bytes_per_token``)
-and batch limits; then ``dynamo.frontend`` with the contender's router mode (``dynamo:kv`` is its KV router,
+and batch limits, and at the same pace (``--speedup-ratio`` = 1 / ``[emulation] time_scale``); then
+``dynamo.frontend`` with the contender's router mode (``dynamo:kv`` is its KV router,
 ``dynamo:round_robin`` its round robin) on a free port. Both discover each other through a file store
 (``--discovery-backend file``: no etcd or NATS). They run from Dynamo's own environment (``make dynamo``:
 ``.venv-dynamo``). What its mocker does differently from our emulated engine: ``bench/scale/dynamo_replay.py``.
@@ -55,7 +56,8 @@ def mocker_command(args: argparse.Namespace, config: Config, table: Path) -> lis
             "--model-name", args.model, "--num-workers", str(args.workers), "--discovery-backend", "file",
             "--block-size", str(config.block_size), "--num-gpu-blocks-override", str(blocks),
             "--max-num-seqs", str(pool.max_concurrent_requests), "--max-num-batched-tokens",
-            str(pool.max_num_batched_tokens), "--planner-profile-data", str(table)]  # fmt: skip
+            str(pool.max_num_batched_tokens), "--planner-profile-data", str(table),
+            "--speedup-ratio", f"{1 / config.emulation.time_scale:g}"]  # fmt: skip
 
 
 def _start(command: list[str], store: Path, log_path: Path) -> subprocess.Popen[bytes]:

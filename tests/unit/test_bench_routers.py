@@ -90,7 +90,8 @@ def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
     from bench.compare.dynamo_live import cluster_config, mocker_command
     from cli.local_cluster import REPO, TINY_MODEL
 
-    args = argparse.Namespace(config=str(REPO / "deploy/emulated.toml"), set=["colocated.max_concurrent_requests=64"],
+    args = argparse.Namespace(config=str(REPO / "deploy/emulated.toml"),
+                              set=["colocated.max_concurrent_requests=64", "emulation.time_scale=2"],
                               model_overrides=(*TINY_MODEL, 'engine.backend="emulated"'), model="tiny-llama",
                               workers=16)  # fmt: skip
     command = mocker_command(args, cluster_config(args), tmp_path / "table.npz")
@@ -99,6 +100,7 @@ def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
     assert flags["--num-workers"] == "16" and flags["--block-size"] == "16"
     assert flags["--num-gpu-blocks-override"] == str(186 * 2**20 // (64 * 16))
     assert flags["--max-num-seqs"] == "64" and flags["--max-num-batched-tokens"] == "8192"
+    assert flags["--speedup-ratio"] == "0.5"  # twice as slow, as our emulated workers at time_scale 2
     assert flags["--model-path"].endswith("models/tiny-llama") and flags["--planner-profile-data"].endswith("table.npz")
 
 

@@ -269,3 +269,38 @@ def test_the_shared_prefix_sweep_readme_says_what_its_json_says():
     ]
     missing = [c for c in claims if c not in flat]
     assert not missing, f"README.md disagrees with shared-prefix/routers.json: {missing}"
+
+
+def test_the_one_cost_model_sweeps_say_what_their_json_says():
+    from bench.compare.report import slo_capacity
+
+    folder = SIM.parent / "scale"
+    readme = (folder / "README.md").read_text()
+    flat = " ".join(readme.split())
+    runs = {}
+    for name in ("shared-prefix-linear", "shared-prefix-linear-ts2"):
+        record = json.loads((folder / name / "routers.json").read_text())
+        assert record["code"] and "uncommitted" not in record["code"]
+        assert 'emulation.profile="analytic-gpu-linear"' in record["command"]
+        table, _ = _capacity((folder / name / "routers.md").read_text())
+        assert all(line in readme for line in table), f"README.md does not quote {name}/routers.md's capacities"
+        ran = {c["spec"]: c for c in record["contenders"].values() if "levels" in c}
+        runs[name] = {spec: {v["rate"]: v["summary"] for v in c["levels"].values()} for spec, c in ran.items()}
+    one, half = runs["shared-prefix-linear"], runs["shared-prefix-linear-ts2"]
+    caps = {spec: slo_capacity(levels) for spec, levels in one.items()}
+    ttft = {spec: [levels[r]["ttft_ms"]["median"] / 1e3 for r in sorted(levels)] for spec, levels in half.items()}
+    claims = [
+        f"colocated it holds 100% to {caps['conductor']:g} req/s, sglang-router "
+        f"{one['sglang:cache_aware'][12.0]['slo_attainment']:.0%} at 12 and "
+        f"{one['sglang:cache_aware'][16.0]['slo_attainment']:.0%} at 16 (capacity {caps['sglang:cache_aware']:g}: "
+        f"{caps['conductor'] / caps['sglang:cache_aware']:.2f}x)",
+        f"100% to {caps['dynamo:kv']:g} req/s ({caps['conductor'] / caps['dynamo:kv']:.2f}x for us)",
+        f"(TTFT p50 {one['conductor'][16.0]['ttft_ms']['median'] / 1e3:.2f} s) and then missed (TTFT p50 "
+        f"{one['conductor'][20.0]['ttft_ms']['median'] / 1e3:.1f} s, {one['conductor'][20.0]['slo_attainment']:.0%}",
+        f"({ttft['dynamo:kv'][0]:.2f}-{ttft['dynamo:kv'][-1]:.2f} s wall against {ttft['conductor'][0]:.2f}-"
+        f"{ttft['conductor'][-1]:.2f} s colocated and {ttft['conductor:disaggregated'][0]:.2f}-"
+        f"{ttft['conductor:disaggregated'][-1]:.2f} s PD)",
+    ]
+    assert all(s["slo_attainment"] == 1.0 for levels in half.values() for s in levels.values())  # "all three hold 100%"
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"README.md disagrees with the one-cost-model sweeps: {missing}"

@@ -1,7 +1,8 @@
 """``kvconductor up``: a whole local cluster, one OS process per role, each with its own log file.
 
-Start order: embedded etcd (unless ``[cluster] etcd_endpoints`` names one) -> kvmeta -> Conductor ->
-prefill, decode and colocated workers -> gateway. The cluster is ready when every process has
+Start order: embedded etcd (unless ``[cluster] etcd_endpoints`` names one) -> kvmeta -> the store service
+(``[store] enabled``: it runs the Mooncake Store's master unless ``[store] master_address`` names one) ->
+Conductor -> prefill, decode and colocated workers -> gateway. The cluster is ready when every process has
 registered in etcd and the gateway answers ``/health``. One Ctrl-C or SIGTERM stops the processes in
 reverse order (SIGTERM, a grace period, then SIGKILL), each of them only its own child.
 """
@@ -143,7 +144,8 @@ class Cluster:
 
     def _plan(self) -> list[tuple[str, str]]:
         c = self.config
-        plan = [("kvmeta", "kvmeta-0"), ("conductor", "conductor-0")]
+        plan = [("kvmeta", "kvmeta-0"), *([("store", "store-0")] if c.store.enabled else [])]
+        plan += [("conductor", "conductor-0")]
         plan += [("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if c.decode.node_count else 0)]
         plan += [("decode", f"decode-{i}") for i in range(c.decode.node_count if c.prefill.node_count else 0)]
         plan += [("colocated", f"colocated-{i}") for i in range(c.colocated.node_count)]

@@ -8,6 +8,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 
+from cli.serve import ROLES
 from services.common.config import ConfigError, load_config
 from services.common.rpc import Tls, use_tls
 
@@ -52,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--run-dir", help="directory for the log files (default: [cluster] run_dir/<timestamp>)")
 
     serve = sub.add_parser("serve", help="run one process of the cluster")
-    serve.add_argument("role", choices=["kvmeta", "conductor", "prefill", "decode", "colocated", "gateway"])
+    serve.add_argument("role", choices=list(ROLES))
     serve.add_argument("--id", required=True, help="instance id, unique in the cluster (e.g. prefill-0)")
     _add_config_args(serve)
 

@@ -1,9 +1,9 @@
-"""``kvconductor serve ROLE``: one process of the cluster (kvmeta, conductor, prefill, decode, colocated, gateway).
+"""``kvconductor serve ROLE``: one process of the cluster (kvmeta, store, conductor, a worker, gateway).
 
 Each role's process lives in its folder (``services/<role>/main.py``; prefill, decode and colocated are
 ``services/worker``). Every gRPC role registers in etcd once it serves; the gateway finds the Conductor
 at ``[cluster] scheduler_endpoint``. Roles are imported lazily: kvmeta, the Conductor and the gateway
-never import torch.
+never import torch; the store service runs the Mooncake Store's master (``[store]``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 from services.common.config import Config
 from services.common.telemetry import setup_tracing
 
-ROLES = ("kvmeta", "conductor", "prefill", "decode", "colocated", "gateway")
+ROLES = ("kvmeta", "store", "conductor", "prefill", "decode", "colocated", "gateway")
 
 
 def run(config: Config, role: str, instance_id: str) -> int:
@@ -30,6 +30,10 @@ def run(config: Config, role: str, instance_id: str) -> int:
             from services.kvmeta.main import run as run_kvmeta
 
             asyncio.run(run_kvmeta(config, instance_id))
+        elif role == "store":
+            from services.store.main import run as run_store
+
+            asyncio.run(run_store(config, instance_id))
         elif role == "conductor":
             from services.conductor.main import run as run_conductor
 

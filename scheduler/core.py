@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from scheduler.booking import Booking
 from scheduler.cost_model import LinkModels
 from scheduler.instance import InstanceState
-from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
+from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, RequestShape, Slo
 
 OUTPUT_WEIGHT = 0.05  # of each completion in the moving average of output lengths
 
@@ -41,8 +41,12 @@ class ConductorCore:
         decodes: Sequence[InstanceState],
         slo: Slo,
         colocated: bool,
+        store: CopySource | None = None,
     ) -> Plan | Rejection:
-        """Algorithm 1 over the instances as they are now (``prefix_lens``: cached tokens per instance)."""
+        """Algorithm 1 over the instances as they are now.
+
+        ``prefix_lens``: cached tokens per instance; ``store``: what the Mooncake Store holds of the prompt.
+        """
         return self.policy.schedule(
             [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now) for p in prefills],
             [d.decode_candidate(now) for d in decodes],
@@ -50,6 +54,7 @@ class ConductorCore:
             slo,
             None if colocated else self.links,
             colocated=colocated,
+            store=store,
         )
 
     def book(

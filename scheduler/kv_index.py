@@ -8,7 +8,9 @@ block's costs one identity test: a 100k-token prompt is 6,250 blocks, and along 
 holders rarely change. Applying an event pays for that instead (a new set per holder change).
 
 Each instance's events carry a sequence number; a gap (or an unknown instance) means events were lost,
-and the index asks for the full inventory instead of guessing.
+and the index asks for the full inventory instead of guessing. The Mooncake Store is indexed as one
+more holder (the store service's instance id) whose entries come from every worker that puts blocks
+into it or finds them gone, so they carry no sequence (``update``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class KVIndex:
         elif self._seq.get(instance) != seq - 1:
             return True
         self._seq[instance] = seq
-        inventory = self._inventory[instance]
+        self.update(instance, stored, removed)
+        return False
+
+    def update(self, instance: str, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
+        """Apply a delta that carries no sequence number (the Store's entries: a set with many writers)."""
+        inventory = self._inventory.setdefault(instance, set())
         one = frozenset((instance,))
         for h in removed:
             if h in inventory:
@@ -58,7 +65,6 @@ class KVIndex:
             if h not in inventory:
                 inventory.add(h)
                 self._set(h, self._holders.get(h, EMPTY) | one)
-        return False
 
     def drop_instance(self, instance: str) -> int:
         """Forget every block of an instance (its lease is gone); returns how many."""

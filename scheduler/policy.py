@@ -180,6 +180,14 @@ class PrefillEstimate:
 
 
 @dataclass(frozen=True)
+class CopySource:
+    """Where a prompt's cached prefix can be copied from: the best prefill holder, or the Mooncake Store."""
+
+    instance_id: str  # a prefill instance, or the store service
+    prefix_len: int  # tokens of the prompt's leading blocks it holds (whole blocks)
+
+
+@dataclass(frozen=True)
 class Plan:
     """Where to run a request, with the numbers behind the choice."""
 
@@ -234,13 +242,15 @@ class ConductorPolicy:
         slo: Slo,
         links: LinkModels | None = None,
         colocated: bool = False,
+        store: CopySource | None = None,
     ) -> Plan | Rejection:
         """Algorithm 1: pick (prefill, decode) by predicted TTFT and TBT, or reject.
 
         ``links`` predicts KV transfers: copies between prefill instances and the prompt KV's trip to the
         decode instance. None (the colocated path) means no transfers at all. ``colocated``: each instance
         both prefills and decodes, so the decode instance is the prefill instance, and only instances with
-        room for the request are candidates.
+        room for the request are candidates. ``store``: what the Mooncake Store holds of the prompt, one
+        more copy source beside the best holder, with its own learned link to each instance.
         """
         if colocated:
             room = {d.instance_id for d in decodes if d.has_room(request)}
@@ -248,9 +258,14 @@ class ConductorPolicy:
         if not prefills:
             return Rejection(f"no instance is available with {request.num_blocks} free KV blocks and a free slot")
         best = max(prefills, key=lambda p: (request.usable_prefix(p.prefix_len), p.instance_id))
-        best_len = request.usable_prefix(best.prefix_len)
-        can_copy = links is not None and self.rule.copies and best.exports_kv
-        estimates = tuple(self._estimate(p, best if can_copy else None, request, links) for p in prefills)
+        holders = [CopySource(best.instance_id, best.prefix_len)]
+        if store is not None and store.prefix_len > 0:
+            holders.append(store)
+        top = max(holders, key=lambda s: (request.usable_prefix(s.prefix_len), s is not store))  # ties: the instance
+        best_len, best_instance = request.usable_prefix(top.prefix_len), top.instance_id
+        sources = [s for s in holders if s is store or best.exports_kv]
+        can_copy = links is not None and self.rule.copies
+        estimates = tuple(self._estimate(p, sources if can_copy else [], request, links) for p in prefills)
         if colocated:
             on = {d.instance_id: d for d in decodes}
             estimates = tuple(
@@ -269,53 +284,61 @@ class ConductorPolicy:
             chosen,
             request,
         )
-        plan = Plan(chosen, decode[0], decode[1], best_len, best.instance_id, estimates, "", slo.ttft_overhead,
+        plan = Plan(chosen, decode[0], decode[1], best_len, best_instance, estimates, "", slo.ttft_overhead,
                     solo=solo)  # fmt: skip
-        plan = replace(plan, reason=self._explain(plan))
+        plan = replace(plan, reason=self._explain(plan, store))
         return admit(plan, slo)
 
     def _estimate(
         self,
         p: PrefillCandidate,
-        best: PrefillCandidate | None,
+        sources: Sequence[CopySource],
         request: RequestShape,
         links: LinkModels | None,
     ) -> PrefillEstimate:
+        """The estimate for ``p``: computing what it lacks, or first copying it from the fastest source."""
         n = request.num_prompt_tokens
         own = request.usable_prefix(p.prefix_len)
         t_send = (
             0.0 if links is None else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, own)))
         )
         local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.t_prefill(n - own, own), t_send)
-        if best is None or links is None or best.instance_id == p.instance_id:
+        if links is None or not p.exports_kv:
             return local
-        best_len = request.usable_prefix(best.prefix_len)
-        ratio = math.inf if own == 0 else best_len / own
-        if best_len <= own or ratio <= self.config.kv_cache_balancing_threshold:
+        chosen = local
+        for source in sources:
+            best_len = request.usable_prefix(source.prefix_len)
+            ratio = math.inf if own == 0 else best_len / own
+            if (
+                source.instance_id == p.instance_id
+                or best_len <= own
+                or ratio <= self.config.kv_cache_balancing_threshold
+            ):
+                continue
+            copy_tokens = best_len - own
+            copied = replace(
+                local,
+                prefix_len=best_len,
+                t_transfer=links.model(source.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens)),
+                t_prefill=p.t_prefill(n - best_len, best_len),
+                t_send=links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, best_len))),
+                copy_from=source.instance_id,
+                copy_tokens=copy_tokens,
+            )
+            if chosen is local or copied.ttft < chosen.ttft:
+                chosen = copied
+        if self.config.compare_copy_with_recompute and chosen.ttft >= local.ttft:
             return local
-        copy_tokens = best_len - own
-        copied = replace(
-            local,
-            prefix_len=best_len,
-            t_transfer=links.model(best.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens)),
-            t_prefill=p.t_prefill(n - best_len, best_len),
-            t_send=0.0
-            if links is None
-            else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, best_len))),
-            copy_from=best.instance_id,
-            copy_tokens=copy_tokens,
-        )
-        if self.config.compare_copy_with_recompute and copied.ttft >= local.ttft:
-            return local
-        return copied
+        return chosen
 
-    def _explain(self, plan: Plan) -> str:
+    def _explain(self, plan: Plan, store: CopySource | None) -> str:
         e = plan.prefill
         others = ", ".join(
             f"{c.instance_id}={c.ttft * 1e3:.0f}ms" + (f"+{c.t_shared * 1e3:.0f}ms shared" if c.t_shared else "")
             for c in plan.candidates
         )
-        how = f"copies {e.copy_tokens} tokens of KV from {e.copy_from}" if e.copy_from else "computes locally"
+        source = f"the Mooncake Store ({e.copy_from})" if store and e.copy_from == store.instance_id else e.copy_from
+        how = f"copies {e.copy_tokens} tokens of KV from {source}" if e.copy_from else "computes locally"
         rule = f"{self.rule.explanation} ({others})"
         when = "when its prefill ends" if self.config.early_rejection == "prediction" else "now"
         return (

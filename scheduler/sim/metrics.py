@@ -32,7 +32,8 @@ class RequestRecord:
     predicted_ttft: float = math.nan
     predicted_tbt: float = math.nan
     local_tokens: int = 0  # prompt tokens reused from the prefill instance's own cache
-    copied_tokens: int = 0  # prompt tokens whose KV was copied from another instance
+    copied_tokens: int = 0  # prompt tokens whose KV was copied from another instance (or the Store)
+    store_tokens: int = 0  # of those, copied from the Mooncake Store
     copy_bytes: int = 0
     first_token: float = math.nan
     finish: float = math.nan
@@ -85,6 +86,7 @@ class Summary:
     effective_capacity: dict[str, int]
     cache_hit_rate: float
     local_hit_rate: float
+    store_hit_rate: float  # prompt tokens read from the Mooncake Store / prompt tokens
     kv_copy_bytes: int
     kv_copies: int
     extra: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +126,7 @@ def summarize(
         effective_capacity=capacity,
         cache_hit_rate=(local + copied) / max(1, prompt),
         local_hit_rate=local / max(1, prompt),
+        store_hit_rate=sum(r.store_tokens for r in served) / max(1, prompt),
         kv_copy_bytes=sum(r.copy_bytes for r in served),
         kv_copies=sum(1 for r in served if r.copied_tokens),
     )

@@ -5,8 +5,10 @@ cache (blocks may have been evicted, or added, since the Conductor planned); if 
 first pulls the missing prefix from the best holder (``T_transfer``), then computes the rest in chunks
 of at most ``chunk_tokens`` with the profile's ``PrefillModel`` (each chunk pays the fixed cost c0 and
 attends to everything before it). At the end it stores the prompt's full blocks (copied ones too: that
-is the hot-spot replication of Algorithm 1); its KV has streamed to the decode instance chunk by chunk,
-all but the last chunk's while later chunks computed (``scheduler.policy.exposed_tokens``).
+is the hot-spot replication of Algorithm 1), and writes them through to the Mooncake Store when there is
+one (a copy source like any holder, ``SimConfig.store_tokens``). Its KV has streamed to the decode
+instance chunk by chunk, all but the last chunk's while later chunks computed
+(``scheduler.policy.exposed_tokens``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from scheduler.sim.profiles import Profile
 from scheduler.sim.trace import TraceRequest
 
 Noise = Callable[[], float]  # actual / predicted duration of the next job or iteration
+STORE = "store"  # the Mooncake Store's holder name in the simulated KV index
 
 
 def chunked_prefill_s(model: PrefillModel, new_tokens: int, cached_tokens: int, chunk_tokens: int) -> float:
@@ -47,7 +50,7 @@ class PrefillJob:
     shape: RequestShape
     submitted: float
     plan_prefix: int  # tokens the plan reuses (best_len when it copies)
-    copies: bool  # the plan copies KV from another instance
+    copy_from: str  # the instance (or the Store) the plan copies KV from; "" = no copy
     decode_instance: str
     reused: int = 0  # prompt tokens it did not compute (own cache and copied), known at its start
 
@@ -55,9 +58,10 @@ class PrefillJob:
         """Look the prompt up at start time; record local and copied tokens; return the reused tokens."""
         own = self.shape.usable_prefix(cache.match(self.request.full_blocks) * block_size)
         prefix = own
-        if self.copies and self.plan_prefix > own:
+        if self.copy_from and self.plan_prefix > own:
             prefix = self.plan_prefix
             self.record.copied_tokens = prefix - own
+            self.record.store_tokens = prefix - own if self.copy_from == STORE else 0
             self.record.copy_bytes = self.shape.kv_bytes(prefix - own)
         self.record.local_tokens = own
         self.reused = prefix
@@ -75,12 +79,14 @@ class PrefillInstance:
         cache: PrefixCache,
         core: ConductorCore,
         noise: Noise = lambda: 1.0,
+        store: PrefixCache | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.noise = noise  # each job's actual/predicted duration (cost-model error)
         self.profile = profile
         self.block_size = block_size
         self.cache = cache
+        self.store = store  # the Mooncake Store every prefill writes through to (None: no Store)
         self.state = InstanceState(
             instance_id, "prefill", profile.prefill, profile.decode, num_blocks=cache.capacity_blocks,
             max_running=profile.max_running, chunk_tokens=profile.chunk_tokens,
@@ -101,6 +107,8 @@ class PrefillInstance:
         if job is None:
             raise RuntimeError(f"{self.instance_id} has no running prefill")
         self.cache.store(job.request.full_blocks)
+        if self.store is not None:
+            self.store.store(job.request.full_blocks)
         self.core.release(job.record.request_id, now, self.state)
         self.running = None
         return job, self._start(now) if self.queue else None

@@ -25,10 +25,20 @@ from scheduler.booking import request_blocks
 from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels
 from scheduler.kv_index import KVIndex
-from scheduler.policy import POLICIES, ConductorPolicy, Plan, PolicyConfig, Rejection, RequestShape, Slo, exposed_tokens
+from scheduler.policy import (
+    POLICIES,
+    ConductorPolicy,
+    CopySource,
+    Plan,
+    PolicyConfig,
+    Rejection,
+    RequestShape,
+    Slo,
+    exposed_tokens,
+)
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
-from scheduler.sim.prefill_instance import Noise, PrefillInstance, PrefillJob
+from scheduler.sim.prefill_instance import STORE, Noise, PrefillInstance, PrefillJob
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile
 from scheduler.sim.trace import TraceRequest
@@ -57,6 +67,10 @@ class SimConfig:
     # profile (which the policy still predicts with), so the ranking no longer rests on perfect predictions.
     # 0 = perfect; live median relative errors of 5-20% correspond to sigma of about 0.07-0.3.
     prediction_error: float = 0.0
+    # The Mooncake Store: a cluster-wide pool of this many tokens (0 = none) beside the instances' own caches.
+    # Every prefill writes its prompt's blocks through to it; any prefill instance copies from it over the
+    # profile's link, as from a peer. Not on the colocated path (no transfers there).
+    store_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -65,6 +79,8 @@ class SimConfig:
             raise ValueError("num_prefill and num_decode must be at least 1")
         if self.prediction_error < 0:
             raise ValueError("prediction_error must be >= 0")
+        if self.store_tokens < 0 or (self.store_tokens and self.colocated):
+            raise ValueError("store_tokens must be >= 0, and 0 on the colocated path")
 
     def noise(self, stream: int) -> Noise:
         """Factors for one instance's durations (seeded per instance; always 1.0 without prediction error)."""
@@ -122,6 +138,7 @@ class Simulator:
     def _build_instances(self) -> None:
         cfg, prof, bs = self.config, self.profile, self.config.block_size
         cache_blocks = prof.prefill_cache_tokens // bs
+        self.store = PrefixCache(STORE, cfg.store_tokens // bs, self.index) if cfg.store_tokens else None
         self.prefills: list[PrefillInstance] = []
         if cfg.colocated:
             self.decodes = [
@@ -139,7 +156,13 @@ class Simulator:
         else:
             self.prefills = [
                 PrefillInstance(
-                    f"p{i}", prof, bs, PrefixCache(f"p{i}", cache_blocks, self.index), self.core, noise=cfg.noise(i)
+                    f"p{i}",
+                    prof,
+                    bs,
+                    PrefixCache(f"p{i}", cache_blocks, self.index),
+                    self.core,
+                    noise=cfg.noise(i),
+                    store=self.store,
                 )  # fmt: skip
                 for i in range(cfg.num_prefill)
             ]
@@ -205,19 +228,21 @@ class Simulator:
 
     def _decide(self, now: float, request: TraceRequest, shape: RequestShape) -> Plan | Rejection:
         pool = self.prefills or self.decodes
-        match = self.index.match_prefix(request.block_hashes, [p.instance_id for p in pool]).prefix_blocks
+        holders = [p.instance_id for p in pool] + ([STORE] if self.store is not None else [])
+        match = self.index.match_prefix(request.block_hashes, holders).prefix_blocks
         prefix = {i: blocks * self.config.block_size for i, blocks in match.items()}
+        store = CopySource(STORE, prefix.pop(STORE)) if STORE in prefix else None
         self.policy_calls += 1
         return self.core.decide(
             now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo,
-            self.config.colocated,
+            self.config.colocated, store,
         )  # fmt: skip
 
     def _book(self, now: float, request: TraceRequest, record: RequestRecord, shape: RequestShape, plan: Plan) -> None:
         e = plan.prefill
         record.prefill_instance, record.decode_instance = e.instance_id, plan.decode_instance
         record.predicted_ttft, record.predicted_tbt = e.ttft, plan.tbt
-        job = PrefillJob(request, record, shape, now, e.prefix_len, bool(e.copy_from), plan.decode_instance)
+        job = PrefillJob(request, record, shape, now, e.prefix_len, e.copy_from, plan.decode_instance)
         decode = self._decode_by_id[plan.decode_instance]
         if self.config.colocated:  # the policy made the decode instance the prefill instance
             self.core.book(now, record.request_id, plan, shape, request.num_output_tokens, decode.state, decode.state)

@@ -1,10 +1,10 @@
 """Cluster configuration: one dataclass per TOML section, every key defaulted, documented and validated.
 
 The shape follows the user's seed (``[cluster]``, ``[prefill]``, ``[decode]``, ``[scheduler]``) plus
-``[colocated]``, ``[model]``, ``[gateway]`` and ``[telemetry]``. Loading rejects unknown sections and
-keys, wrong types and out-of-range values with a :class:`ConfigError` that names the key, so a typo
-stops start-up instead of being silently ignored. The README's config reference mirrors these
-docstrings.
+``[colocated]``, ``[model]``, ``[engine]``, ``[emulation]``, ``[gateway]``, ``[telemetry]`` and ``[store]``.
+Loading rejects unknown sections and keys, wrong types and out-of-range values with a :class:`ConfigError`
+that names the key, so a typo stops start-up instead of being silently ignored. The README's config
+reference mirrors these docstrings.
 """
 
 from __future__ import annotations
@@ -308,6 +308,38 @@ class TelemetryConfig:
 
 
 @dataclass
+class StoreConfig:
+    """``[store]``: the Mooncake Store, the cluster-wide KV pool behind every worker's engine pool.
+
+    Prefill and colocated workers put their prompts' KV blocks into it (keyed by the chained block hash) and
+    fill their engine pools from it, so a prefix outlives its eviction from every worker.
+    """
+
+    enabled: bool = False
+    # host:port of a running mooncake_master; "" = the store service (`kvconductor serve store`, started by
+    # `kvconductor up`) runs one itself and restarts it when it dies
+    master_address: str = ""
+    master_port: int = 0  # the embedded master's RPC port (0 = a free one, kept across its restarts)
+    segment_mb: int = 256  # DRAM each prefill and colocated worker contributes to the pool
+    eviction_high_watermark_ratio: float = 0.9  # the embedded master evicts when the pool is this full ...
+    eviction_ratio: float = 0.05  # ... this share of its objects, least recently used first
+
+    def validate(self) -> None:
+        """Raise ConfigError on a bad value."""
+        _check(
+            not self.master_address or _is_host_port(self.master_address), "[store] master_address", "must be host:port"
+        )
+        _check(0 <= self.master_port <= 65535, "[store] master_port", "must be in 0..65535")
+        _check(self.segment_mb >= 16, "[store] segment_mb", "must be >= 16 (the Store's smallest segment)")
+        _check(
+            0.0 < self.eviction_high_watermark_ratio <= 1.0,
+            "[store] eviction_high_watermark_ratio",
+            "must be in (0, 1]",
+        )
+        _check(0.0 < self.eviction_ratio <= 1.0, "[store] eviction_ratio", "must be in (0, 1]")
+
+
+@dataclass
 class Config:
     """The whole configuration."""
 
@@ -321,6 +353,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     @property
     def block_size(self) -> int:
@@ -338,6 +371,7 @@ class Config:
         self.scheduler.validate()
         self.gateway.validate()
         self.telemetry.validate()
+        self.store.validate()
         for name in ("decode", "colocated"):
             _check(
                 getattr(self, name).prefix_cache_block_size == self.block_size,

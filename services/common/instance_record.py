@@ -3,8 +3,9 @@
 Every process registers an ``InstanceRecord`` (role, id, gRPC and metrics addresses); an engine worker
 registers a ``WorkerRecord``, which adds what the Conductor schedules on (the engine's shape and KV
 layout, the learned cost models and the start-up profile) and what tools reach it by (the transfer
-engine endpoint, the colocated worker's own OpenAI URL). The JSON form is flat and stable; ``from_json``
-names the missing or malformed key.
+engine endpoint, the colocated worker's own OpenAI URL); the store service registers a ``StoreRecord``
+(the Mooncake Store master's address). The JSON form is flat and stable; ``from_json`` names the missing
+or malformed key.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class InstanceRecord:
         try:
             if data.get("role") in WORKER_ROLES:
                 return WorkerRecord.from_worker_json(data)
+            if data.get("role") == "store":
+                return StoreRecord(str(data["role"]), str(data["instance_id"]), str(data["address"]),
+                                   str(data.get("metrics_address", "")), master_address=str(data["master_address"]),
+                                   generation=int(data["generation"]))  # fmt: skip
             return InstanceRecord(str(data["role"]), str(data["instance_id"]), str(data["address"]),
                                   str(data.get("metrics_address", "")))  # fmt: skip
         except KeyError as e:
@@ -131,3 +136,11 @@ class WorkerRecord(InstanceRecord):
             engine=str(data.get("engine", "builtin")), kv_bootstrap=str(data.get("kv_bootstrap", "")),
             kv_events_endpoint=str(data.get("kv_events_endpoint", "")),
         )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreRecord(InstanceRecord):
+    """The store service: where the Mooncake Store's master listens, and which start of it that is."""
+
+    master_address: str  # host:port of mooncake_master's RPC
+    generation: int = 1  # starts of the master so far: a new one holds none of the objects put before

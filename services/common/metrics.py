@@ -57,7 +57,7 @@ HTTP_REQUESTS = Counter("kvconductor_http_requests", "REST requests by route and
 
 
 def observe_transfer(kind: str, num_bytes: int, seconds: float) -> None:
-    """Time one KV transfer (kind: send / copy)."""
+    """Time one KV transfer (kind: send / copy / store_put)."""
     KV_SECONDS.labels(kind).observe(seconds)
     if seconds > 0:
         KV_GBPS.labels(kind).observe(num_bytes / seconds / 1e9)

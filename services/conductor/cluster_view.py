@@ -18,7 +18,7 @@ import grpc
 
 from kvconductor.v1 import colocated_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.instance import InstanceState
-from services.common.instance_record import WORKER_ROLES, WorkerRecord
+from services.common.instance_record import WORKER_ROLES, StoreRecord, WorkerRecord
 from services.common.registry import InstanceEvent
 from services.common.rpc import channel
 
@@ -87,6 +87,7 @@ class ClusterView:
         self.instances: dict[str, InstanceView] = {}
         self.kvmeta_address = ""
         self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
+        self.store: StoreRecord | None = None  # the store service (the Mooncake Store), when one is registered
         self._kvmeta_addresses: dict[str, str] = {}  # kvmeta instances by id, in registration order
         self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
         self._suspects: dict[str, int | None] = {}  # stalled instance -> its engine beats when first probed
@@ -107,6 +108,9 @@ class ClusterView:
         self._changed.set()
         if event.role == "kvmeta":
             self._apply_kvmeta(event)
+            return
+        if event.role == "store":
+            self.store = event.record if event.kind == "put" and isinstance(event.record, StoreRecord) else None
             return
         if event.role not in WORKER_ROLES:
             return

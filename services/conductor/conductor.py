@@ -39,7 +39,7 @@ from kvconductor.v1 import (
 from scheduler.booking import request_blocks
 from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels, TransferModel
-from scheduler.policy import ConductorPolicy, Plan, Rejection, RequestShape, Slo
+from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, RequestShape, Slo
 from scheduler.ttft_overhead import TtftOverhead
 from services.common import metrics
 from services.common.config import Config, WorkerConfig
@@ -211,12 +211,16 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise RpcError(UNAVAILABLE, "no healthy workers")
         return has_pd
 
-    async def _prefix_lens(self, job: Job, pool: list[InstanceView]) -> dict[str, int]:
-        """Cached prefix length (tokens) per instance; empty when kvmeta cannot answer (cache-unaware)."""
+    async def _prefix_lens(self, job: Job, pool: list[InstanceView], store: str = "") -> dict[str, int]:
+        """Cached prefix length (tokens) per instance, and in the Store under ``store``.
+
+        Empty when kvmeta cannot answer (cache-unaware).
+        """
         hashes = job.attempt_hashes(self.view.block_size())
         if not hashes or self.view.kvmeta is None:
             return {}
-        request = kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes, instance_ids=[v.instance_id for v in pool])
+        ids = [v.instance_id for v in pool] + ([store] if store else [])
+        request = kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes, instance_ids=ids)
         try:
             response = await kvmeta_pb2_grpc.KvMetaStub(self.view.kvmeta).MatchPrefix(request, timeout=1.0)
         except grpc.aio.AioRpcError as e:
@@ -242,7 +246,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     async def _decide(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan | Rejection:
         colocated = prefills is decodes
-        prefix = await self._prefix_lens(job, prefills)
+        store_id = self.view.store.instance_id if self.view.store is not None and not colocated else ""
+        prefix = await self._prefix_lens(job, prefills, store_id)
+        store = CopySource(store_id, prefix.pop(store_id)) if store_id in prefix else None
         now = time.monotonic()
         ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
         tbt_cfg: WorkerConfig = self.config.colocated if colocated else self.config.decode
@@ -254,11 +260,20 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         )
         shape = self._shape(job, prefills[0].record)
         outcome = self.core.decide(
-            now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated
+            now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store
         )
         job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome)
         self.decisions.record(job.decision)
         return outcome
+
+    def _copy_source(self, instance_id: str) -> prefill_pb2.KVSource | None:
+        """Where the planned copy reads from: a prefill worker's pool, or the Store (None: it left meanwhile)."""
+        if not instance_id:
+            return None
+        if self.view.store is not None and instance_id == self.view.store.instance_id:
+            return prefill_pb2.KVSource(instance_id=instance_id, tier=common_pb2.KV_TIER_STORE)
+        source = self.view.instances.get(instance_id)
+        return prefill_pb2.KVSource(instance_id=instance_id, address=source.record.address) if source else None
 
     def _shape(self, job: Job, record: WorkerRecord) -> RequestShape:
         block_size, max_tokens = record.block_size, job.attempt_sampling.max_tokens
@@ -438,11 +453,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 sampling=sampling,
                 destination=reserved.target,
             )
-            source = self.view.instances.get(plan.prefill.copy_from) if plan.prefill.copy_from else None
+            source = self._copy_source(plan.prefill.copy_from)
             if source is not None:
-                request.copy_source.CopyFrom(
-                    prefill_pb2.KVSource(instance_id=source.instance_id, address=source.record.address)
-                )
+                request.copy_source.CopyFrom(source)
                 request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
             # A failed write into d's blocks is d's (or the link's) failure, not p's.
             call = p.prefill_stub.Prefill(request, timeout=prefill_deadline)

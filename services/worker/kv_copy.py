@@ -1,4 +1,6 @@
-"""KV copy between prefill workers: pull a prompt's cached prefix from its best holder (hot-spot replication).
+"""KV copy onto a prefill worker: a prompt's cached prefix from its best holder, or from the Mooncake Store.
+
+From the Store the worker reads by block hash with its own store client (``pull_from_store``).
 
 The puller (the prefill worker the Conductor chose) and the exporter (the best holder)::
 
@@ -96,6 +98,27 @@ async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], sourc
     copy.seconds = time.perf_counter() - start
     if copy.num_copied < len(copy.imported.targets):
         copy.note = f"{source.instance_id} had {copy.num_copied} of {len(copy.imported.targets)} blocks"
+
+
+async def pull_from_store(worker: Worker, copy: PrefixCopy, store_id: str) -> None:
+    """Read the blocks ``copy`` lacks from the Mooncake Store (never raises on a failed read).
+
+    The read stops at the first block the Store no longer has (evicted, or lost with a restarted master or
+    a crashed segment owner): kvmeta is told, so the next request is not planned on it.
+    """
+    store, targets = worker.store, copy.imported.targets
+    if not targets:
+        return
+    if store is None:
+        copy.note = "this worker has no store client ([store] enabled on a prefill worker)"
+        return
+    first = copy.num_own
+    hashes = copy.imported.block_hashes[first : first + len(targets)]
+    read = await complete(store.fill(hashes, targets))  # the blocks being read into are freed only after
+    copy.imported.num_copied, copy.bytes, copy.seconds = read.blocks, read.bytes, read.seconds
+    if read.blocks < len(hashes):
+        copy.note = f"{store_id}: {read.note}"
+        await worker.events.publish_store(store_id, [], [hashes[read.blocks]])
 
 
 async def _read(worker: Worker, copy: PrefixCopy, exported: prefill_pb2.ExportBlocksResponse) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import grpc
 
-from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
+from kvconductor.v1 import common_pb2, kvmeta_pb2, kvmeta_pb2_grpc
 from services.common.registry import Registry
 from services.common.rpc import channel
 
@@ -46,6 +46,26 @@ class KvEventPublisher:
             return
         async with self._lock:  # one call at a time: sequence numbers arrive in order, the channel is not shared
             await self._send(stored, removed)
+
+    async def publish_store(self, store_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        """Tell kvmeta which blocks this worker put into the Mooncake Store (``store_id``'s) or found gone there.
+
+        No sequence and no resync: the Store's entries are a set many workers add to; a lost call leaves
+        blocks out of the index (or a stale entry whose read then misses), never a wrong match.
+        """
+        if not stored and not removed:
+            return
+        async with self._lock:
+            stub = await self._stub()
+            if stub is None:
+                return
+            request = kvmeta_pb2.PublishEventsRequest(instance_id=store_id, stored_block_hashes=list(stored),
+                                                      removed_block_hashes=list(removed),
+                                                      tier=common_pb2.KV_TIER_STORE)  # fmt: skip
+            try:
+                await stub.PublishEvents(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.warning("kvmeta unreachable for the Store's entries (%s)", _reason(e))
 
     async def _send(self, stored: list[bytes], removed: list[bytes]) -> None:
         stub = await self._stub()

@@ -2,7 +2,8 @@
 
 Per request::
 
-    [KV copy planned: pull the missing prefix blocks from the best holder, see services/worker/kv_copy.py]
+    [KV copy planned: pull the missing prefix blocks from the best holder or the Mooncake Store, see
+     services/worker/kv_copy.py]
     -> add_request(prefill_only) -> engine computes the uncached blocks, samples token 0
     -> transfer engine writes every prompt block (the last, partial one included) into the decode
        worker's reserved blocks, each chunk's blocks while the next chunk computes (services/worker/kv_stream.py)
@@ -10,13 +11,15 @@ Per request::
        kvmeta -> reply with token 0
 
 The reply comes after the announcement, so a request that follows this one can already be routed to
-the prefix it left behind.
+the prefix it left behind. With ``[store] enabled`` the prompt's full blocks are then written through
+to the Mooncake Store, off the request's path (services/worker/kv_store.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -25,11 +28,14 @@ from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import metrics
 from services.common.rpc import Service
+from services.common.tasks import complete
 from services.common.telemetry import tracer
 from services.worker.engine_port import ImportedBlocks
-from services.worker.kv_copy import Exports, PrefixCopy, pull_prefix
+from services.worker.kv_copy import Exports, PrefixCopy, pull_from_store, pull_prefix
 from services.worker.kv_stream import KVStreamer
 from services.worker.worker import Worker, sampling_from_proto
+
+log = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -38,6 +44,40 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.exports = Exports(worker)
+        self._through: set[asyncio.Future[None]] = set()  # write-throughs to the Store still running
+
+    async def _write_through(self, prompt: list[int]) -> None:
+        """Put the prompt's full blocks into the Mooncake Store, off the request's path, and index them there.
+
+        The blocks are pinned while the Store reads them (the request released them into the prefix cache,
+        where a later step could evict them); blocks evicted before the pin are left out.
+        """
+        w, store = self.worker, self.worker.store
+        if store is None or not store.available:
+            return
+        block_size = w.engine.layout.block_size
+        tokens = prompt[: len(prompt) // block_size * block_size]
+        hashes = prefix_block_hashes(tokens, block_size)
+        blocks = await complete(w.engine.pin_cached_blocks(hashes, tokens))
+        try:
+            put = await complete(store.put(hashes[: len(blocks)], blocks))
+        finally:
+            await w.engine.unpin_blocks(blocks)
+        if put.blocks:
+            metrics.observe_transfer("store_put", put.bytes, put.seconds)
+        if put.note:
+            log.info("write-through to the Store: %s", put.note)
+        await w.events.publish_store(store.store_id, put.stored, [])
+
+    def _spawn_write_through(self, prompt: list[int]) -> None:
+        task = asyncio.ensure_future(self._write_through(prompt))
+        self._through.add(task)
+        task.add_done_callback(self._write_through_done)
+
+    def _write_through_done(self, task: asyncio.Future[None]) -> None:
+        self._through.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the request is served; the Store misses out
+            log.warning("write-through to the Store failed: %r", task.exception())
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
         """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""
@@ -79,6 +119,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if copy is not None and copy.bytes:
             metrics.observe_transfer("copy", copy.bytes, copy.seconds)
         await w.publish_kv_events()
+        if w.store is not None:
+            self._spawn_write_through(prompt)
         return prefill_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0],
             num_cached_tokens=out.num_cached_tokens,
@@ -160,7 +202,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         copy = PrefixCopy(ImportedBlocks(prefix_block_hashes(prompt[: num_blocks * block_size], block_size), prompt))
         try:
             await copy.prepare(w.engine)
-            await pull_prefix(w, copy, prompt, request.copy_source)
+            if request.copy_source.tier == common_pb2.KV_TIER_STORE:
+                await pull_from_store(w, copy, request.copy_source.instance_id)
+            else:
+                await pull_prefix(w, copy, prompt, request.copy_source)
         except BaseException:
             await w.engine.abandon_import(copy.imported)
             raise

@@ -28,6 +28,7 @@ from services.worker import builtin_engine
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_port import EnginePort
 from services.worker.kv_events import KvEventPublisher
+from services.worker.kv_store import KVStore
 from services.worker.transfer import KVTransferEngine
 from services.worker.zmq_kv_events import ZmqKvEventPublisher
 
@@ -55,6 +56,7 @@ class Worker:
     openai_url: str = ""  # a colocated worker's own OpenAI endpoint, once it listens
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server
     zmq_events: ZmqKvEventPublisher | None = None  # [engine] zmq_kv_events
+    store: KVStore | None = None  # [store] enabled, on a prefill worker whose pool the worker moves itself
 
     def record(self, address: str, metrics_address: str) -> WorkerRecord:
         """The etcd record describing this instance."""
@@ -134,9 +136,13 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)
     zmq_events = ZmqKvEventPublisher(config.cluster.host, config.block_size) if config.engine.zmq_kv_events else None
+    store = None
+    if config.store.enabled and role == "prefill" and not engine.moves_kv_itself:
+        store = KVStore(config, engine.layout, transfer.link_floor)
+        store.follow(registry)
     return Worker(
         role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
-        decode_model, kv_bootstrap=kv_bootstrap, zmq_events=zmq_events,
+        decode_model, kv_bootstrap=kv_bootstrap, zmq_events=zmq_events, store=store,
     )  # fmt: skip
 
 

@@ -53,10 +53,10 @@ class Recorder:
     def __init__(self, core):
         self.core, self.calls = core, []
 
-    def decide(self, now, shape, prefix, prefills, decodes, slo, colocated):
-        outcome = self.core.decide(now, shape, prefix, prefills, decodes, slo, colocated)
+    def decide(self, now, shape, prefix, prefills, decodes, slo, colocated, store=None):
+        outcome = self.core.decide(now, shape, prefix, prefills, decodes, slo, colocated, store)
         ids = ([p.instance_id for p in prefills], [d.instance_id for d in decodes])
-        self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, outcome))
+        self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, store, outcome))
         return outcome
 
     def book(self, now, rid, plan, shape, max_tokens, p, d):
@@ -128,8 +128,9 @@ def test_the_live_core_replays_the_simulators_decisions(colocated):
     for call in calls:
         kind, *args = call
         if kind == "decide":
-            now, shape, prefix, (p_ids, d_ids), slo, coloc, outcome = args
-            replayed = core.decide(now, shape, prefix, [live[i] for i in p_ids], [live[i] for i in d_ids], slo, coloc)
+            now, shape, prefix, (p_ids, d_ids), slo, coloc, store, outcome = args
+            prefills, decodes = [live[i] for i in p_ids], [live[i] for i in d_ids]
+            replayed = core.decide(now, shape, prefix, prefills, decodes, slo, coloc, store)
             assert _same(replayed, outcome), (now, replayed, outcome)
         elif kind == "book":
             now, rid, plan, shape, max_tokens, p, d = args

@@ -10,6 +10,7 @@ from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, Transfer
 from scheduler.kv_index import KVIndex
 from scheduler.policy import (
     ConductorPolicy,
+    CopySource,
     DecodeCandidate,
     Plan,
     PolicyConfig,
@@ -91,6 +92,30 @@ def test_busy_hot_holder_vs_idle_cold_instance_copy_or_recompute_by_bandwidth():
     assert isinstance(forced, Plan)
     assert next(c for c in forced.candidates if c.instance_id == "cold").copy_from == "hot"
     assert forced.prefill.instance_id == "hot"
+
+
+def test_the_store_is_one_more_copy_source_with_its_own_link():
+    """A prefix no instance holds any more, but the Mooncake Store does: copied from there when its link is fast."""
+    cluster = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 0, 0.5, PREFILL)]
+    store = CopySource("store-0", 960)
+    links = LinkModels(SLOW_LINK.prior)
+    for nbytes in (1 << 16, 1 << 20, 1 << 24):  # learned from reads: the Store reads fast into p0
+        links.observe("store-0", "p0", nbytes, 0.001 + nbytes / 1e9)
+    plan = policy().schedule(cluster, [decode()], shape(), SLO, links, store=store)
+    assert isinstance(plan, Plan)
+    assert (plan.prefill.instance_id, plan.prefill.copy_from, plan.prefill.copy_tokens) == ("p0", "store-0", 960)
+    assert (plan.best_len, plan.best_instance) == (960, "store-0")
+    assert "copies 960 tokens of KV from the Mooncake Store (store-0)" in plan.reason
+    # Over a slow link recomputing wins; and a holder with the whole prefix ties the Store: no copy from it.
+    slow = policy().schedule(cluster, [decode()], shape(), SLO, SLOW_LINK, store=store)
+    assert isinstance(slow, Plan) and slow.prefill.copy_from == ""
+    held = [PrefillCandidate("p0", 960, 0.0, PREFILL)]
+    plan = policy().schedule(held, [decode()], shape(), SLO, FAST_LINK, store=store)
+    assert isinstance(plan, Plan) and (plan.prefill.copy_from, plan.best_instance) == ("", "p0")
+    # A worker whose engine pool is not ours to fill (vLLM) cannot take the Store's blocks either.
+    vllm = [replace(c, exports_kv=False) for c in cluster]
+    plan = policy().schedule(vllm, [decode()], shape(), SLO, FAST_LINK, store=store)
+    assert isinstance(plan, Plan) and plan.prefill.copy_from == ""
 
 
 @pytest.mark.parametrize(("threshold", "copies"), [(1.49, True), (1.5, False), (0.8, True), (math.inf, False)])

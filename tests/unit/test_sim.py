@@ -227,3 +227,21 @@ def test_prediction_error_makes_actual_times_differ_from_predicted_ones_reproduc
     assert 0.15 < float(np.std(logs)) < 0.45 and abs(float(np.mean(logs))) < 0.15
     with pytest.raises(ValueError, match="prediction_error"):
         SimConfig(prediction_error=-0.1)
+
+
+def test_a_prefix_evicted_from_every_instance_is_copied_back_from_the_store():
+    link = TransferModel(latency_s=0.001, bandwidth_bytes_per_s=1e9)
+    small = replace(PROFILE, prefill_cache_tokens=4 * BS, link=link)  # one prompt of 3 blocks fits, two do not
+    a, b = [1, 2, 3], [7, 8, 9]
+    trace = [request(0, 0.0, 1600, a), request(1, 10.0, 1600, b), request(2, 20.0, 1600, a)]
+    without = run(trace, profile=small).records[2]
+    assert (without.local_tokens, without.copied_tokens) == (0, 0)  # evicted by b: computed again
+    r = run(trace, profile=small, store_tokens=100 * BS).records[2]
+    assert (r.local_tokens, r.copied_tokens, r.store_tokens) == (0, 3 * BS, 3 * BS)
+    expected = link.predict(3 * BS * small.bytes_per_token) + small.prefill.predict(1600 - 3 * BS, 3 * BS)
+    send = link.predict(4 * BS * small.bytes_per_token)  # one chunk: the whole prompt's KV goes after it
+    assert r.first_token - r.arrival == pytest.approx(expected + send)
+    summary = summarize(run(trace, profile=small, store_tokens=100 * BS).records, {})[0]
+    assert summary.store_hit_rate == pytest.approx(3 * BS / 4800)
+    with pytest.raises(ValueError, match="store_tokens"):
+        SimConfig(policy="colocated", store_tokens=BS)

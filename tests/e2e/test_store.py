@@ -1,0 +1,99 @@
+"""The Mooncake Store as the second KV tier, on a live cluster (issue 14).
+
+A cluster with ``[store] enabled``: the store service runs a real ``mooncake_master``, the prefill worker
+writes every prompt's blocks through to the Store and reads them back by block hash, and the Conductor
+plans copies from the Store like copies from a peer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import helpers
+import pytest
+from helpers import running_cluster
+
+from engine.block_hash import prefix_block_hashes
+from kvconductor.v1 import conductor_pb2
+
+PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
+# 4 MiB of prefill pool: 64 blocks of the test model (64 KiB each), 1,024 tokens: two long prompts evict a third
+POOL = ("prefill.node_count=1", "decode.node_count=1", "prefill.kv_cache_memory_mb=4", "store.enabled=true",
+        "store.segment_mb=16")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def store_cluster(tmp_path_factory, model_dir):
+    with running_cluster(tmp_path_factory.mktemp("store") / "run", model_dir, *POOL) as c:
+        yield c
+
+
+def _wait_for(cluster, hashes, holder, want, timeout=60):
+    """Poll kvmeta until ``holder`` matches ``want`` leading blocks of ``hashes`` (events lag the steps)."""
+    deadline = time.monotonic() + timeout
+    while (got := helpers.kvmeta_matches(cluster, hashes).get(holder, 0)) != want:
+        assert time.monotonic() < deadline, f"{holder} holds {got} of the prompt's blocks, not {want}"
+        time.sleep(0.2)
+
+
+def test_a_prefix_evicted_from_every_pool_is_served_from_the_store(store_cluster, model_dir):
+    rng = random.Random(14)
+    prompt = [rng.randrange(256) for _ in range(600)]
+    hashes = prefix_block_hashes(prompt, 16)  # 37 full blocks
+    cold, first, usage = helpers.grpc_generate(store_cluster, prompt, PD)
+    assert usage.cached_tokens == 0
+    _wait_for(store_cluster, hashes, "store-0", len(hashes))  # written through to the Store and indexed there
+    for _ in range(2):  # two other long prompts push it out of the prefill worker's 64 blocks
+        helpers.grpc_generate(store_cluster, [rng.randrange(256) for _ in range(900)], PD, max_tokens=1)
+    _wait_for(store_cluster, hashes, first.prefill_instance, 0)
+
+    tokens, decision, usage = helpers.grpc_generate(store_cluster, prompt, PD)
+    assert (decision.copy_from, decision.prefix_len) == ("store-0", 592), decision.reason
+    assert "the Mooncake Store (store-0)" in decision.reason
+    assert usage.cached_tokens == 592
+    assert tokens == cold == helpers.reference_tokens(model_dir, [prompt])[0]
+
+
+def _store_record(cluster):
+    from services.common.registry import Registry
+
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        return next(iter(registry.list("store").values()))
+
+
+def _master_pid(cluster) -> int:
+    """The mooncake_master child of the store service."""
+    service = cluster.manifest["processes"]["store-0"]["pid"]
+    children = Path(f"/proc/{service}/task/{service}/children").read_text().split()
+    assert len(children) == 1, f"the store service has children {children}"
+    return int(children[0])
+
+
+def test_a_master_killed_under_load_fails_no_request_and_the_store_caches_again(store_cluster, model_dir):
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(41)
+    shared = [[rng.randrange(256) for _ in range(256)] for _ in range(3)]
+    prompts = [shared[i % 3] + [rng.randrange(256) for _ in range(48)] for i in range(12)]
+    before = _store_record(store_cluster)
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(helpers.run_load, store_cluster, prompts, 2)
+        time.sleep(1.0)  # the first requests are in flight, their blocks on their way into the Store
+        os.kill(_master_pid(store_cluster), signal.SIGKILL)
+        results = load.result(timeout=300)
+    failed = [r for r in results if not isinstance(r, list)]
+    assert not failed, failed
+    assert results == helpers.reference_tokens(model_dir, prompts)
+
+    deadline = time.monotonic() + 60  # the store service started the master again: a new generation
+    while (after := _store_record(store_cluster)).generation == before.generation:
+        assert time.monotonic() < deadline, "the master was not restarted"
+        time.sleep(0.2)
+    assert after.master_address == before.master_address
+    fresh = [rng.randrange(256) for _ in range(320)]
+    helpers.grpc_generate(store_cluster, fresh, PD, max_tokens=1)
+    _wait_for(store_cluster, prefix_block_hashes(fresh, 16), "store-0", 20)  # cached in the new master

@@ -20,7 +20,7 @@ def _tables(markdown):
 
 
 def test_sim_results_name_clean_code_and_their_command():
-    for name in ("policies.json", "policies-error-0.3.json", "overload.json"):
+    for name in ("policies.json", "policies-error-0.3.json", "overload.json", "store.json"):
         record = _load(name)
         assert record["code"] and "uncommitted" not in record["code"], f"{name} ran uncommitted code"
         assert record["command"].startswith("python -m bench.sim.")
@@ -28,7 +28,7 @@ def test_sim_results_name_clean_code_and_their_command():
 
 def test_sim_readme_tables_are_the_generated_ones():
     readme = (SIM / "README.md").read_text()
-    for generated in ("policies.md", "policies-error-0.3.md", "overload.md"):
+    for generated in ("policies.md", "policies-error-0.3.md", "overload.md", "store.md"):
         for row in _tables((SIM / generated).read_text()):
             assert row in readme, f"README.md lacks (or changed) this row of {generated}: {row}"
 
@@ -72,6 +72,14 @@ def test_sim_readme_prose_numbers_come_from_the_json():
         f"load-balancing {noisy['least_loaded']:.2f} s, local cache-aware {noisy['cache_aware']:.2f} s, the SGLang "
         f"rule {noisy['sglang']:.2f} s, round-robin {noisy['round_robin']:.2f} s, random {noisy['random']:.2f} s",
         f"({ours['ttft']['mean']:.2f} vs {policies['dynamo']['ttft']['mean']:.2f} s without error)",
+    ]
+    store = {name: run["summary"] for name, run in _load("store.json")["runs"].items()}
+    claims += [
+        f"The global pool reaches {store['global pool']['cache_hit_rate']:.1%} of prompt tokens reused against "
+        f"{store['per-node']['cache_hit_rate']:.1%} for per-node caches: "
+        f"{_load('store.json')['global_over_per_node']:.2f}x",
+        f"as far as the pool ({store['per-node + copies']['cache_hit_rate']:.1%}) with the lowest TTFT "
+        f"({store['per-node + copies']['ttft']['mean']:.2f} s against {store['global pool']['ttft']['mean']:.2f} s)",
     ]
     ranked = sorted((p for p in noisy if p != "colocated"), key=noisy.get)
     assert ranked == sorted((p for p in policies if p != "colocated"), key=lambda p: policies[p]["ttft"]["mean"])

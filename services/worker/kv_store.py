@@ -79,7 +79,9 @@ class KVStore:
     def on_event(self, event: InstanceEvent) -> None:
         """A store service registered, changed (a new master start) or left."""
         if event.kind == "put" and isinstance(event.record, StoreRecord):
-            self._record = event.record
+            old, self._record = self._record, event.record
+            if old is None or old.generation != event.record.generation:
+                self._quiet_until = 0.0  # a new master: worth trying at once, whatever failed against the old one
         elif event.kind == "delete":
             self._record = None
 

@@ -19,9 +19,11 @@ from engine.block_hash import prefix_block_hashes
 from kvconductor.v1 import conductor_pb2
 
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
-# 4 MiB of prefill pool: 64 blocks of the test model (64 KiB each), 1,024 tokens: two long prompts evict a third
+# 4 MiB of prefill pool: 64 blocks of the test model (64 KiB each), 1,024 tokens: two long prompts evict a third.
+# Copies follow Algorithm 1's threshold alone (no veto by the predicted cost): on a starved machine the learned
+# links can make a copy look slower than recomputing, and these tests are about the Store's path, not that choice.
 POOL = ("prefill.node_count=1", "decode.node_count=1", "prefill.kv_cache_memory_mb=4", "store.enabled=true",
-        "store.segment_mb=16")  # fmt: skip
+        "store.segment_mb=16", "scheduler.compare_copy_with_recompute=false")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,12 @@ def test_a_master_killed_under_load_fails_no_request_and_the_store_caches_again(
         assert time.monotonic() < deadline, "the master was not restarted"
         time.sleep(0.2)
     assert after.master_address == before.master_address
-    fresh = [rng.randrange(256) for _ in range(320)]
-    helpers.grpc_generate(store_cluster, fresh, PD, max_tokens=1)
-    _wait_for(store_cluster, prefix_block_hashes(fresh, 16), "store-0", 20)  # cached in the new master
+    deadline = time.monotonic() + 60  # new prefixes are cached again (a worker may still be reconnecting at first)
+    while True:
+        fresh = [rng.randrange(256) for _ in range(320)]
+        helpers.grpc_generate(store_cluster, fresh, PD, max_tokens=1)
+        try:
+            _wait_for(store_cluster, prefix_block_hashes(fresh, 16), "store-0", 20, timeout=10)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "no new prefix reached the restarted Store"

@@ -24,12 +24,14 @@ timeout (about 4 s), and for ``RETRY_AFTER_S`` after a failure the worker does n
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.config import Config
 from services.common.instance_record import StoreRecord
@@ -52,7 +54,7 @@ class StoreIO:
     bytes: int = 0
     seconds: float = 0.0
     note: str = ""
-    stored: list[bytes] = field(default_factory=list)  # a put's blocks now known in the Store (put or found)
+    stored: list[builtins.bytes] = field(default_factory=list)  # a put's blocks now known in the Store (put or found)
 
 
 class KVStore:
@@ -64,7 +66,7 @@ class KVStore:
         self.link_floor = link_floor  # least seconds moving n bytes takes (an emulated engine's modeled link)
         self._prefix = f"{config.cluster.name}/{layout.dtype}/{layout.bytes_per_block}/"
         self._record: StoreRecord | None = None
-        self._client: object | None = None
+        self._client: Any = None  # mooncake.store.MooncakeDistributedStore (untyped)
         self._connected_to: tuple[str, int] | None = None  # (master address, generation) of the client
         self._lock = threading.Lock()  # one store call at a time; the client is not documented thread-safe
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -189,7 +191,7 @@ class KVStore:
         self._client, self._connected_to = None, None
         self._known.clear()
 
-    def _connect(self) -> object | None:
+    def _connect(self) -> Any:
         """The client for the current master (reconnecting after its restart), or None."""
         record = self._record
         if record is None or time.monotonic() < self._quiet_until:

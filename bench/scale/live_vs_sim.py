@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import REPO, git_state
-from bench.scale.trace_slice import add_slice_arguments, prepare
+from bench.scale.trace_slice import add_slice_arguments, prepare, replay_args
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
 from bench.sim.common import run_one
@@ -75,12 +75,7 @@ def live(policy: str, args: argparse.Namespace, trace: Path, run_dir: Path) -> d
     print(f"[live_vs_sim] {policy}: starting {args.prefill}P+{args.decode}D emulated ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, run_dir) as cluster:
         print(f"[live_vs_sim] {policy}: ready in {cluster.startup_s:.0f} s", file=sys.stderr, flush=True)
-        bench = argparse.Namespace(
-            workload="trace", trace=str(trace), limit=None, length_scale=1.0, output_scale=1.0,
-            max_output_tokens=args.max_output_tokens, max_input_tokens=1 << 30, time_scale=1.0, seed=0,
-            endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=None,
-            tbt_slo_ms=300.0,
-        )  # fmt: skip
+        bench = replay_args(trace, args.max_output_tokens)
         processes = cluster_processes(cluster.manifest, cluster.process.pid)
         cpu_before, t0 = {key: cpu_seconds(p["pid"]) for key, p in processes.items()}, time.monotonic()
         record = run_benchmark(Target(cluster.rest, "tiny-llama", None, "completions"), bench, quiet=args.quiet)

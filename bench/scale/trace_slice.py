@@ -29,6 +29,16 @@ def write_slice(trace: Path, limit: int, max_output: int, path: Path) -> int:
     return len(lines)
 
 
+def replay_args(trace: Path, max_output_tokens: int) -> argparse.Namespace:
+    """``bench serve``'s settings for a slice replayed at its own arrival times, every prompt whole."""
+    return argparse.Namespace(
+        workload="trace", trace=str(trace), limit=None, length_scale=1.0, output_scale=1.0,
+        max_output_tokens=max_output_tokens, max_input_tokens=1 << 30, time_scale=1.0, seed=0,
+        endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=None,
+        tbt_slo_ms=300.0,
+    )  # fmt: skip
+
+
 def add_slice_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that choose the slice and where the results go."""
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import REPO, git_state
-from bench.scale.trace_slice import add_slice_arguments, prepare
+from bench.scale.trace_slice import add_slice_arguments, prepare, replay_args
 from bench.serve.cli import run_benchmark
 from bench.serve.runner import Target
 from cli.local_cluster import TINY_MODEL, local_cluster
@@ -74,12 +74,7 @@ def replay(args: argparse.Namespace, trace: Path, overrides: list[str], run_dir:
     print(f"[store] {label}: starting {args.prefill}P+{args.decode}D emulated ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, run_dir) as cluster:
         print(f"[store] {label}: ready in {cluster.startup_s:.0f} s", file=sys.stderr, flush=True)
-        bench = argparse.Namespace(
-            workload="trace", trace=str(trace), limit=None, length_scale=1.0, output_scale=1.0,
-            max_output_tokens=args.max_output_tokens, max_input_tokens=1 << 30, time_scale=1.0, seed=0,
-            endpoint="completions", concurrency=None, request_rate=None, ttft_slo_ms=30000.0, tpot_slo_ms=None,
-            tbt_slo_ms=300.0,
-        )  # fmt: skip
+        bench = replay_args(trace, args.max_output_tokens)
         record = run_benchmark(Target(cluster.rest, "tiny-llama", None, "completions"), bench, quiet=args.quiet)
     s = record["summary"]
     return {"hit_rate": s["prefix_cache_hit_rate"], "ttft_mean_s": s["ttft_ms"]["mean"] / 1e3,

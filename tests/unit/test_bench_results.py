@@ -312,3 +312,45 @@ def test_the_one_cost_model_sweeps_say_what_their_json_says():
     assert all(s["slo_attainment"] == 1.0 for levels in half.values() for s in levels.values())  # "all three hold 100%"
     missing = [c for c in claims if c not in flat]
     assert not missing, f"README.md disagrees with the one-cost-model sweeps: {missing}"
+
+
+PEERS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware")
+
+
+def test_the_higher_grid_sweep_says_what_its_json_says():
+    folder = SIM.parent / "scale" / "shared-prefix-linear-ts2-hi"
+    flat = " ".join((folder.parent / "README.md").read_text().split())
+    record = json.loads((folder / "routers.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"]
+    assert 'emulation.profile="analytic-gpu-linear"' in record["command"] and "time_scale=2" in record["command"]
+    table, ratio = _capacity((folder / "routers.md").read_text())
+    assert all(" ".join(line.split()) in flat for line in table)
+    assert f"for 90% up to 12: {ratio.rsplit(' ', 1)[1]}" in flat
+    run = {c["spec"]: {v["rate"]: v["summary"] for v in c["levels"].values()}
+           for c in record["contenders"].values() if "levels" in c}  # fmt: skip
+    pd, dyn, col = run["conductor:disaggregated"], run["dynamo:kv"], run["conductor"]
+    hits = {spec: sorted(s["prefix_cache_hit_rate"] for s in levels.values()) for spec, levels in run.items()}
+    reusable = (400 - 8) * 8192 / (400 * 12288)  # every prefix's first request computes it whole
+    computed = [(1 - h) * 12288 for h in (hits["dynamo:kv"][-1], hits["dynamo:kv"][0])]
+    claims = [
+        f"{record['wall_s'] / 60:.1f} min for the 18 runs",
+        f"(p50 {dyn[16.0]['ttft_ms']['median'] / 1e3:.2f} s, p90 {dyn[16.0]['ttft_ms']['p90'] / 1e3:.2f} s, against "
+        f"{pd[16.0]['ttft_ms']['median'] / 1e3:.2f} s and {pd[16.0]['ttft_ms']['p90'] / 1e3:.2f} s for our split)",
+        f"TBT p90 {dyn[16.0]['tbt_ms']['p90']:.0f} ms (over the 600 ms limit, {dyn[16.0]['slo_attainment']:.0%} within",
+        f"(TBT p90 {pd[16.0]['tbt_ms']['p90']:.0f} ms)",
+        f"({col[16.0]['slo_attainment']:.0%} at 16 req/s, TBT p90 {col[16.0]['tbt_ms']['p90']:.0f} ms)",
+        "({:.0%}, {:.0%} and {:.0%})".format(*(run[s][12.0]["slo_attainment"] for s in PEERS)),
+        f"hit rate ({hits['dynamo:kv'][0] * 100:.0f}-{hits['dynamo:kv'][-1]:.0%}) is close to ours "
+        f"({hits['conductor:disaggregated'][0] * 100:.0f}-{hits['conductor:disaggregated'][-1]:.0%} on 12P+4D)",
+        f"({dyn[20.0]['slo_attainment']:.0%} at 20, where our split is at {pd[20.0]['slo_attainment']:.0%})",
+        f"At best {reusable:.1%} of the prompt tokens",
+        f"{(1 - reusable) * 12288:,.0f} tokens computed per request",
+        f"computes {computed[0]:,.0f}-{computed[1]:,.0f}, so",
+        f"at most {computed[0] / ((1 - reusable) * 12288):.2f}-{computed[1] / ((1 - reusable) * 12288):.2f}x",
+        f"our split refused {pd[20.0]['failed']} requests",
+        f"and the colocated Conductor {col[20.0]['failed']};",
+    ]
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"README.md disagrees with shared-prefix-linear-ts2-hi/routers.json: {missing}"
+    failed = sum(s["failed"] for levels in run.values() for s in levels.values())
+    assert failed == pd[20.0]["failed"] + col[20.0]["failed"]  # "nothing else failed anywhere"

@@ -9,7 +9,7 @@ import grpc
 
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.config import Config
-from services.common.instance_record import InstanceRecord, WorkerRecord
+from services.common.instance_record import InstanceRecord, StoreRecord, WorkerRecord
 from services.common.rpc import sync_channel
 from services.conductor.prediction_errors import DEFAULT_WINDOW_S
 
@@ -87,6 +87,16 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
     print(f"metrics: {metrics}")
     overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
     print(f"learned TTFT overhead: {overheads}")
+    if status.store_json:
+        store = InstanceRecord.from_json(json.loads(status.store_json))
+        assert isinstance(store, StoreRecord), "the store record is not a store's"
+        print(f"Mooncake Store: {store.instance_id}, master {store.master_address} (start {store.generation})")
+    if status.links:
+        print("learned KV links (T_transfer = latency + bytes / bandwidth, from measured copies):")
+        for link in status.links:
+            fit = (f"{link.bandwidth_gbps:.2f} Gbit/s + {link.latency_ms:.1f} ms" if link.bandwidth_gbps
+                   else "too few distinct sizes to fit yet")  # fmt: skip
+            print(f"  {link.source} -> {link.destination}: {fit} (n={link.samples})")
     return 0
 
 
@@ -115,6 +125,8 @@ def print_decision(config: Config, request_id: str) -> int:
         print(f"  measured: TTFT {o.ttft_ms:.1f} ms, TBT {o.tbt_ms:.1f} ms, prefill {o.prefill_ms:.1f} ms, "
               f"KV send {o.kv_send_ms:.1f} ms ({o.kv_send_exposed_ms:.1f} ms after token 0), "
               f"cached {o.cached_tokens} tokens{copied}")  # fmt: skip
+    if o.copy_note:
+        print(f"  the planned copy moved less: {o.copy_note}")
     header: tuple[str, ...] = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send",
                                "TTFT (ms)")  # fmt: skip
     shared = any(c.t_shared_ms for c in d.candidates)  # colocated: the decode time each would share

@@ -168,6 +168,10 @@ class LinkModels:
         self._samples.setdefault((source, destination), deque(maxlen=self.window)).append((num_bytes, seconds))
         self._cache.clear()
 
+    def learned(self) -> list[tuple[str, str, int, TransferModel | None]]:
+        """Every observed pair: (source, destination, samples, its own fit or None while it has too few)."""
+        return [(src, dst, len(q), TransferModel.fit(list(q))) for (src, dst), q in sorted(self._samples.items())]
+
     def model(self, source: str, destination: str = "") -> TransferModel:
         """The best model for a pair (destination "" = any destination from ``source``)."""
         key = (source, destination)

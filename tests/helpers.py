@@ -73,6 +73,12 @@ def grpc_generate(cluster, prompt_ids, deployment, max_tokens=MAX_TOKENS, reques
     return tokens, decision, usage
 
 
+def cli(cluster, *args):
+    """``kvconductor ARGS`` against the cluster's Conductor (the finished process)."""
+    command = [sys.executable, "-m", "cli.main", *args, "--set", f'cluster.scheduler_endpoint="{cluster.conductor}"']
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
 def kill_decode_worker_mid_stream(cluster, prompt_ids, max_tokens, after_tokens, timeout=120):
     """Stream one greedy PD request and kill -9 its decode worker after ``after_tokens`` tokens.
 

@@ -323,6 +323,7 @@ class StoreConfig:
     segment_mb: int = 256  # DRAM each prefill and colocated worker contributes to the pool
     eviction_high_watermark_ratio: float = 0.9  # the embedded master evicts when the pool is this full ...
     eviction_ratio: float = 0.05  # ... this share of its objects, least recently used first
+    read_timeout_s: float = 1.0  # a fill from the Store unanswered this long is given up: the prompt is recomputed
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -337,6 +338,7 @@ class StoreConfig:
             "must be in (0, 1]",
         )
         _check(0.0 < self.eviction_ratio <= 1.0, "[store] eviction_ratio", "must be in (0, 1]")
+        _check(self.read_timeout_s > 0.0, "[store] read_timeout_s", "must be > 0")
 
 
 @dataclass

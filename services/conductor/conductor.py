@@ -45,6 +45,7 @@ from services.common import metrics
 from services.common.config import Config, WorkerConfig
 from services.common.instance_record import WorkerRecord
 from services.common.rpc import KV_TRANSFER_FAILED, RpcError, Service
+from services.common.tasks import spawn
 from services.common.telemetry import tracer
 from services.conductor.cluster_view import ClusterView, InstanceView
 from services.conductor.decisions import DecisionLog, decision_attributes, to_decision
@@ -75,7 +76,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             "disaggregated": TtftOverhead(OVERHEAD_CAP * config.prefill.max_ttft_ms / 1e3),
             "colocated": TtftOverhead(OVERHEAD_CAP * config.colocated.max_ttft_ms / 1e3),
         }
-        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget calls, kept from garbage collection
 
     async def Generate(  # noqa: N802
         self, request: conductor_pb2.GenerateRequest, context: Any
@@ -142,6 +142,17 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             prediction_errors=self.errors.summary(window),
             latencies=self.errors.latencies(window),
             ttft_overhead_ms={path: o.value(now) * 1e3 for path, o in self.overheads.items()},
+            links=[
+                conductor_pb2.LinkStatus(
+                    source=src,
+                    destination=dst,
+                    samples=n,
+                    bandwidth_gbps=fit.bandwidth_bytes_per_s * 8 / 1e9 if fit else 0.0,
+                    latency_ms=fit.latency_s * 1e3 if fit else 0.0,
+                )
+                for src, dst, n, fit in self.core.links.learned()
+            ],
+            store_json=json.dumps(self.view.store.to_json(), sort_keys=True) if self.view.store else "",
         )
 
     # -- admission -------------------------------------------------------------------------------
@@ -489,9 +500,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             with contextlib.suppress(Exception):  # a closed channel, a cut link, a dead worker
                 await d.decode_stub.Release(request, timeout=5.0)
 
-        task = asyncio.ensure_future(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        spawn(release(), f"releasing {job.worker_request_id}'s blocks on {d.instance_id}")
 
     def _learn(self, job: Job, p: InstanceView, d: InstanceView, r: prefill_pb2.PrefillResponse) -> None:
         """Feed measured transfers to the link models, the prediction errors and the decision; log them."""

@@ -29,8 +29,9 @@ import grpc
 
 from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.rpc import channel
-from services.common.tasks import complete
+from services.common.tasks import complete, spawn
 from services.worker.engine_port import EnginePort, ImportedBlocks
+from services.worker.kv_store import StoreIO
 from services.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,10 @@ async def pull_from_store(worker: Worker, copy: PrefixCopy, store_id: str) -> No
     """Read the blocks ``copy`` lacks from the Mooncake Store (never raises on a failed read).
 
     The read stops at the first block the Store no longer has (evicted, or lost with a restarted master or
-    a crashed segment owner): kvmeta is told, so the next request is not planned on it.
+    a crashed segment owner): kvmeta is told, so the next request is not planned on it (not when the Store
+    did not answer: that says nothing about the block). A read the Store
+    does not answer within ``[store] read_timeout_s`` is given up: its blocks go with it (given back when it
+    ends) and the request computes the prompt instead.
     """
     store, targets = worker.store, copy.imported.targets
     if not targets:
@@ -114,10 +118,22 @@ async def pull_from_store(worker: Worker, copy: PrefixCopy, store_id: str) -> No
         return
     first = copy.num_own
     hashes = copy.imported.block_hashes[first : first + len(targets)]
-    read = await complete(store.fill(hashes, targets))  # the blocks being read into are freed only after
+    engine = worker.engine
+
+    async def fill() -> StoreIO:
+        io = await store.fill(hashes, targets)
+        if io.pending is not None:  # the read goes on writing into the targets: they are its until it ends
+            copy.imported.targets = []
+            io.pending.add_done_callback(lambda _: spawn(engine.unpin_blocks(targets), "freeing a late read's blocks"))
+        return io
+
+    read = await complete(fill())  # to its end even if the caller is cancelled: the cleanup frees the targets
     copy.imported.num_copied, copy.bytes, copy.seconds = read.blocks, read.bytes, read.seconds
-    if read.blocks < len(hashes):
+    if read.pending is not None:
+        copy.note = f"{store_id}: {read.note}; recomputing"
+    elif read.blocks < len(hashes):
         copy.note = f"{store_id}: {read.note}"
+    if read.gone:
         await worker.events.publish_store(store_id, [], [hashes[read.blocks]])
 
 

@@ -28,7 +28,7 @@ from engine.sampling import SamplingParams
 from kvconductor.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common import metrics
 from services.common.rpc import Service
-from services.common.tasks import complete
+from services.common.tasks import complete, spawn
 from services.common.telemetry import tracer
 from services.worker.engine_port import ImportedBlocks
 from services.worker.kv_copy import Exports, PrefixCopy, pull_from_store, pull_prefix
@@ -44,7 +44,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.exports = Exports(worker)
-        self._through: set[asyncio.Future[None]] = set()  # write-throughs to the Store still running
 
     async def _write_through(self, prompt: list[int]) -> None:
         """Put the prompt's full blocks into the Mooncake Store, off the request's path, and index them there.
@@ -68,16 +67,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if put.note:
             log.info("write-through to the Store: %s", put.note)
         await w.events.publish_store(store.store_id, put.stored, [])
-
-    def _spawn_write_through(self, prompt: list[int]) -> None:
-        task = asyncio.ensure_future(self._write_through(prompt))
-        self._through.add(task)
-        task.add_done_callback(self._write_through_done)
-
-    def _write_through_done(self, task: asyncio.Future[None]) -> None:
-        self._through.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the request is served; the Store misses out
-            log.warning("write-through to the Store failed: %r", task.exception())
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
         """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""
@@ -120,7 +109,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             metrics.observe_transfer("copy", copy.bytes, copy.seconds)
         await w.publish_kv_events()
         if w.store is not None:
-            self._spawn_write_through(prompt)
+            spawn(self._write_through(prompt), "write-through to the Store")  # served; on failure the Store misses out
         return prefill_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0],
             num_cached_tokens=out.num_cached_tokens,

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,7 +53,7 @@ def test_streaming_chat_completion_with_the_openai_client(cluster):
     assert finishes[-1] == "length"
     assert chunks[-1].usage.completion_tokens == 8
     assert chunks[-1].usage.prompt_tokens > 3
-    explained = _cli(cluster, "explain", chunks[0].id)  # the response's id names the request too
+    explained = helpers.cli(cluster, "explain", chunks[0].id)  # the response's id names the request too
     assert explained.returncode == 0 and chunks[0].id.removeprefix("chatcmpl-") in explained.stdout
 
 
@@ -203,28 +201,16 @@ def test_grpc_errors_have_status_codes(cluster):
         assert "vocabulary" in vocab.value.details()
 
 
-def _cli(cluster, *args):
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        *args,
-        "--set",
-        f'cluster.scheduler_endpoint="{cluster.conductor}"',
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60)
-
-
 def test_explain_and_status_commands(cluster):
     prompt = list(range(40, 140))
     helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED, request_id="explain-me")
-    explained = _cli(cluster, "explain", "explain-me")
+    explained = helpers.cli(cluster, "explain", "explain-me")
     assert explained.returncode == 0, explained.stderr
     assert "explain-me (kvcache_centric): prefill prefill-" in explained.stdout
     assert "prefill-0" in explained.stdout and "prefill-1" in explained.stdout  # every candidate is listed
     assert "T_queue" in explained.stdout and "TTFT" in explained.stdout
-    assert _cli(cluster, "explain", "never-sent").returncode == 1
-    status = _cli(cluster, "status")
+    assert helpers.cli(cluster, "explain", "never-sent").returncode == 1
+    status = helpers.cli(cluster, "status")
     assert status.returncode == 0, status.stderr
     for instance in ("prefill-0", "prefill-1", "decode-0", "colocated-0"):
         assert instance in status.stdout
@@ -264,7 +250,7 @@ def test_python_client_and_generate_cluster_command(cluster):
         with pytest.raises(grpc.RpcError) as missing:
             client.explain("no-such-request")
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
-    out = _cli(cluster, "generate", "--cluster", "--prompt", "hello there", "--max-tokens", "4", "--json")
+    out = helpers.cli(cluster, "generate", "--cluster", "--prompt", "hello there", "--max-tokens", "4", "--json")
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert reply["usage"]["completion_tokens"] <= 4 and reply["prefill_instance"].startswith("prefill-")

@@ -11,12 +11,13 @@ import random
 import time
 from pathlib import Path
 
+import grpc
 import helpers
 import pytest
 from helpers import running_cluster
 
 from engine.block_hash import prefix_block_hashes
-from kvconductor.v1 import conductor_pb2
+from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
 
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
 # 4 MiB of prefill pool: 64 blocks of the test model (64 KiB each), 1,024 tokens: two long prompts evict a third.
@@ -40,22 +41,77 @@ def _wait_for(cluster, hashes, holder, want, timeout=60):
         time.sleep(0.2)
 
 
-def test_a_prefix_evicted_from_every_pool_is_served_from_the_store(store_cluster, model_dir):
-    rng = random.Random(14)
-    prompt = [rng.randrange(256) for _ in range(600)]
-    hashes = prefix_block_hashes(prompt, 16)  # 37 full blocks
-    cold, first, usage = helpers.grpc_generate(store_cluster, prompt, PD)
+def _only_in_store(cluster, rng, length=600):
+    """A prompt served once (its greedy tokens, ``cold``), now in the Store and in no engine pool."""
+    prompt = [rng.randrange(256) for _ in range(length)]
+    hashes = prefix_block_hashes(prompt, 16)
+    cold, first, usage = helpers.grpc_generate(cluster, prompt, PD)
     assert usage.cached_tokens == 0
-    _wait_for(store_cluster, hashes, "store-0", len(hashes))  # written through to the Store and indexed there
+    _wait_for(cluster, hashes, "store-0", len(hashes))  # written through to the Store and indexed there
     for _ in range(2):  # two other long prompts push it out of the prefill worker's 64 blocks
-        helpers.grpc_generate(store_cluster, [rng.randrange(256) for _ in range(900)], PD, max_tokens=1)
-    _wait_for(store_cluster, hashes, first.prefill_instance, 0)
+        helpers.grpc_generate(cluster, [rng.randrange(256) for _ in range(900)], PD, max_tokens=1)
+    _wait_for(cluster, hashes, first.prefill_instance, 0)
+    return prompt, hashes, cold
 
+
+def _outcome(cluster, request_id):
+    with grpc.insecure_channel(cluster.conductor) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        return stub.ExplainDecision(conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=10).outcome
+
+
+def test_a_prefix_evicted_from_every_pool_is_served_from_the_store(store_cluster, model_dir):
+    prompt, _, cold = _only_in_store(store_cluster, random.Random(14))
     tokens, decision, usage = helpers.grpc_generate(store_cluster, prompt, PD)
     assert (decision.copy_from, decision.prefix_len) == ("store-0", 592), decision.reason
     assert "the Mooncake Store (store-0)" in decision.reason
     assert usage.cached_tokens == 592
     assert tokens == cold == helpers.reference_tokens(model_dir, [prompt])[0]
+    status = helpers.cli(store_cluster, "status")
+    assert f"Mooncake Store: store-0, master {_store_record(store_cluster).master_address}" in status.stdout
+    assert "store-0 -> prefill-0: " in status.stdout, status.stdout  # the link learned from the Store's reads
+
+
+def _raw_client(cluster):
+    """A Mooncake Store client of the test's own, on the cluster's master."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
+                        _store_record(cluster).master_address) == 0  # fmt: skip
+    return client
+
+
+def test_blocks_gone_from_the_store_between_match_and_read_are_recomputed(store_cluster, model_dir):
+    prompt, hashes, cold = _only_in_store(store_cluster, random.Random(15))
+    assert _raw_client(store_cluster).remove_all(True) >= len(hashes)  # kvmeta still lists them in store-0
+
+    tokens, decision, usage = helpers.grpc_generate(store_cluster, prompt, PD, request_id="gone-1")
+    assert decision.copy_from == "store-0", decision.reason  # planned on kvmeta's (stale) word
+    assert usage.cached_tokens == 0
+    assert tokens == cold
+    assert "store-0: the Store had 0 of 37 blocks" in _outcome(store_cluster, "gone-1").copy_note
+    _wait_for(store_cluster, hashes, "store-0", len(hashes))  # computed again, and written through again
+
+
+def test_a_store_read_that_hangs_is_given_up_and_the_prompt_recomputed(store_cluster, model_dir):
+    import os
+    import signal
+
+    # 320 tokens: the 19 blocks the hanging read holds (until Mooncake gives up, 30 s) leave room in the 64-block
+    # pool for the 21 the prompt is recomputed in
+    prompt, _, cold = _only_in_store(store_cluster, random.Random(16), length=320)
+    master = _master_pid(store_cluster)
+    os.kill(master, signal.SIGSTOP)  # alive (its service does not restart it) but silent: Mooncake waits 30 s
+    try:
+        tokens, decision, usage = helpers.grpc_generate(store_cluster, prompt, PD, request_id="hang-1")
+    finally:
+        os.kill(master, signal.SIGCONT)
+    assert decision.copy_from == "store-0", decision.reason
+    assert usage.cached_tokens == 0
+    assert tokens == cold
+    explained = helpers.cli(store_cluster, "explain", "hang-1")
+    assert "the planned copy moved less: store-0: no answer within 1.0 s; recomputing" in explained.stdout
 
 
 def _store_record(cluster):

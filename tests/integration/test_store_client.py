@@ -29,12 +29,22 @@ def _layout(pool: torch.Tensor) -> KVLayout:
                     vocab_size=256)  # fmt: skip
 
 
-def _store(pool: torch.Tensor, record: StoreRecord) -> KVStore:
+def _store(pool: torch.Tensor, record: StoreRecord, read_timeout_s: float = 1.0) -> KVStore:
     config = Config()
-    config.store = StoreConfig(enabled=True, segment_mb=16)
+    config.store = StoreConfig(enabled=True, segment_mb=16, read_timeout_s=read_timeout_s)
     store = KVStore(config, _layout(pool))
     store.on_event(InstanceEvent("put", "store", record.instance_id, record))
     return store
+
+
+def _wait_connected(store: KVStore, timeout_s: float = 60.0) -> None:
+    """Until the store's client is connected to the master of its record (its thread connects on its own)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not store.connected:
+        assert time.monotonic() < deadline, "the store client never connected"
+        time.sleep(0.05)
 
 
 def _record(master: StoreMaster) -> StoreRecord:
@@ -79,10 +89,11 @@ def test_blocks_put_by_one_process_are_read_by_another(master):
 
         pool = torch.zeros(BLOCKS * BLOCK_BYTES, dtype=torch.uint8)
         reader = _store(pool, _record(master))
+        _wait_connected(reader)
         hashes = [bytes([h]) * 32 for h in range(8)] + [b"\xee" * 32]  # the last one was never put
-        assert asyncio.run(reader.holds(hashes)) == 8
         io = asyncio.run(reader.fill(hashes, [40 + i for i in range(9)]))
         assert io.blocks == 8 and io.bytes == 8 * BLOCK_BYTES and "8 of 9" in io.note
+        assert io.gone  # the Store answered that the ninth is not there (kvmeta is told)
         for i in range(8):  # block i landed, byte-exact, in pool block 40 + i
             got = pool[(40 + i) * BLOCK_BYTES : (41 + i) * BLOCK_BYTES]
             assert torch.equal(got, torch.full_like(got, i + 1)), f"block {i}"
@@ -93,12 +104,41 @@ def test_blocks_put_by_one_process_are_read_by_another(master):
         master._process.wait()
         assert master.ensure_running() and master.wait_accepting()
         reader.on_event(InstanceEvent("put", "store", "store-0", _record(master)))
-        assert asyncio.run(reader.holds(hashes)) == 0
-        assert asyncio.run(reader.fill(hashes[:2], [40, 41])).blocks == 0
+        _wait_connected(reader)  # the reader connects to the new start as soon as it learns of it
+        assert asyncio.run(reader.fill(hashes, [40 + i for i in range(9)])).blocks == 0
         put = asyncio.run(reader.put(hashes[:2], [40, 41]))  # and takes new blocks again
-        assert put.blocks == 2 and asyncio.run(reader.holds(hashes)) == 2
+        assert put.blocks == 2 and asyncio.run(reader.fill(hashes, [50 + i for i in range(9)])).blocks == 2
     finally:
         parent.send("go")
         writer.join(30)
         if writer.is_alive():
             writer.kill()
+
+
+def test_a_read_the_hanging_master_does_not_answer_is_given_up_within_its_bound(master):
+    import asyncio
+    import time
+
+    async def scenario() -> None:
+        pool = torch.zeros(BLOCKS * BLOCK_BYTES, dtype=torch.uint8)
+        pool[: 4 * BLOCK_BYTES] = 7
+        store = _store(pool, _record(master), read_timeout_s=0.5)
+        hashes = [bytes([h]) * 32 for h in range(4)]
+        assert (await store.put(hashes, [0, 1, 2, 3])).blocks == 4
+        os.kill(master.pid, signal.SIGSTOP)  # alive but silent: Mooncake's own call would wait 30 s
+        try:
+            start = time.monotonic()
+            io = await store.fill(hashes, [40, 41, 42, 43])
+            waited = time.monotonic() - start
+            assert (io.blocks, io.note, io.gone) == (0, "no answer within 0.5 s", False), io
+            assert io.pending is not None and not io.pending.done()  # the call still runs: the blocks are its
+            assert waited < 10, waited  # the bound (0.5 s), far below Mooncake's 30 s; generous on a busy machine
+            assert not store.available
+            again = await store.fill(hashes, [44, 45, 46, 47])  # no second wait behind the hanging call
+            assert (again.blocks, again.pending, again.note, again.gone) == (0, None, "store unavailable", False)
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        late = await asyncio.wait_for(io.pending, 60)  # the master answers again: the call ends, blocks freed
+        assert late.blocks in (0, 4), late
+
+    asyncio.run(scenario())

@@ -62,6 +62,10 @@ def test_link_models_learn_a_pair_and_fall_back_to_the_prior():
     assert learned.latency_s == pytest.approx(0.0005, rel=1e-6)
     assert links.model("p0").bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)  # same source, any dest
     assert links.model("p9", "d0").bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)  # all links
+    links.observe("store-0", "p0", 1 << 20, 0.01)  # one size: no fit of its own yet (status shows it so)
+    (first, second) = links.learned()
+    assert first[:3] == ("p0", "d0", 3) and first[3].bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert second == ("store-0", "p0", 1, None)
 
 
 def test_prefix_holder_wins_when_idle():

@@ -49,8 +49,9 @@ class Completion:
 class ConductorClient:
     """Synchronous client of ``kvconductor.v1.Conductor``."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
-        self.channel = sync_channel(address)
+    def __init__(self, address: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer KEY`` (None: ``KVCONDUCTOR_API_KEY`` or the config's first)."""
+        self.channel = sync_channel(address, api_key)
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
         self.timeout_s = timeout_s
 

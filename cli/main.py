@@ -9,6 +9,7 @@ import sys
 from importlib.metadata import entry_points
 
 from cli.serve import ROLES
+from services.common.api_keys import use_api_key
 from services.common.config import ConfigError, load_config
 from services.common.rpc import Tls, use_tls
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.bench_main(args))
         config = load_config(args.config, args.set)
         use_tls(Tls.from_files(config.cluster.tls_cert_file, config.cluster.tls_key_file, config.cluster.tls_ca_file))
+        use_api_key(config)
         if args.command == "up":
             from cli.launcher import up
 

@@ -114,12 +114,21 @@ class LLMEngine:
         return self.block_manager.num_free_blocks
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        pinned: Sequence[int] = (),
     ) -> None:
-        """Queue a request; raises ValueError if the prompt is empty, too long, or can never fit the pool."""
+        """Queue a request; raises ValueError if the prompt is empty, too long, or can never fit the pool.
+
+        ``pinned``: references to cached blocks of its prefix (a KV copy's) that the request takes over and
+        drops once it is admitted, so that they cannot be evicted while it waits in the queue.
+        """
         with self._lock:
             self._check_new(request_id, prompt_token_ids)
-            request = Request(request_id, list(prompt_token_ids), params.with_seed(), prefill_only)
+            request = Request(request_id, list(prompt_token_ids), params.with_seed(), prefill_only, pinned=list(pinned))
             self.scheduler.add(request)
 
     def step(self) -> list[StepOutput]:
@@ -232,16 +241,19 @@ class LLMEngine:
         block_hashes: Sequence[bytes],
         token_ids: Sequence[int],
         parent_hash: bytes | None = None,
+        keep_reference: bool = False,
     ) -> None:
         """Put blocks filled with a peer's KV into the prefix cache and drop the import's reference.
 
         Block i holds ``token_ids[i*bs:(i+1)*bs]`` with hash ``block_hashes[i]``; ``parent_hash`` is the
         hash of the block before the first (None: the prompt's first block). The blocks stay cached (and
-        are announced as stored) until evicted.
+        are announced as stored) until evicted; with ``keep_reference`` the caller keeps the reference (to
+        hand it to ``add_request``'s ``pinned``).
         """
         with self._lock:
             self.block_manager.commit_full_blocks(block_ids, block_hashes, token_ids, 0, parent_hash)
-            self.block_manager.free(block_ids)
+            if not keep_reference:
+                self.block_manager.free(block_ids)
 
     def _check_new(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """Reject duplicate ids and token ids outside the vocabulary."""

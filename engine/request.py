@@ -40,6 +40,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, extended on demand
     num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
+    pinned: list[int] = field(default_factory=list)  # cached blocks held for it until admitted (a KV copy's)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
 

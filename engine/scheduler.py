@@ -104,7 +104,7 @@ class Scheduler:
                 budget -= self._add_chunk(batch, request, budget)
         num_prefills, limit = len(prefilling), self.max_num_prefills or math.inf
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and num_prefills < limit:
-            if not self._admit(self.waiting[0]):
+            if not self._admit(self.waiting[0]) and not (self._drop_pins() and self._admit(self.waiting[0])):
                 break
             request = self.waiting.popleft()
             self.running.append(request)
@@ -131,6 +131,8 @@ class Scheduler:
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks; unknown ids are ignored."""
+        for request in [r for r in self.waiting if r.request_id == request_id]:
+            self.block_manager.free(request.pinned)
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
         for request in [r for r in self.running if r.request_id == request_id]:
             self.running.remove(request)
@@ -165,9 +167,23 @@ class Scheduler:
         request.block_table = hits + new_blocks
         request.num_computed_tokens = request.num_cached_tokens = len(hits) * manager.block_size
         request.num_committed_blocks = len(hits)
+        manager.free(request.pinned)  # its prefix is in its block table now, with references of its own
+        request.pinned = []
         manager.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
         request.status = RequestStatus.RUNNING
         return True
+
+    def _drop_pins(self) -> bool:
+        """Free the blocks the queue's later requests pin (they may be evicted now); whether there were any.
+
+        Pins keep a waiting request's copied prefix from eviction by the requests admitted before it, but
+        never hold up the queue: the head of the queue that does not fit otherwise gets their blocks.
+        """
+        pinned = [r for r in list(self.waiting)[1:] if r.pinned]
+        for request in pinned:
+            self.block_manager.free(request.pinned)
+            request.pinned = []
+        return bool(pinned)
 
     def _commit_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""

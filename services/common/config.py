@@ -279,6 +279,7 @@ class GatewayConfig:
         _check(self.max_request_bytes >= 1024, "[gateway] max_request_bytes", "must be >= 1024")
         _check(self.max_concurrent_requests >= 1, "[gateway] max_concurrent_requests", "must be >= 1")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "[gateway] tls_cert_file", "needs tls_key_file too")
+        _check(all(k.strip() for k in self.api_keys), "[gateway] api_keys", "an empty key would let anyone in")
         for key in ("tls_cert_file", "tls_key_file"):
             path = getattr(self, key)
             _check(not path or Path(path).is_file(), f"[gateway] {key}", f"no such file: {path}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, get_current_span, use_span
 
+from services.common.api_keys import ApiKeyCheck, WithKey, auth_metadata
 from services.common.instance_record import InstanceRecord
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry
@@ -155,7 +156,7 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
 
 
 def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    metadata = [*(details.metadata or ()), *inject_metadata()]
+    metadata = [*(details.metadata or ()), *inject_metadata(), *auth_metadata()]
     return grpc.aio.ClientCallDetails(
         details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
     )
@@ -163,7 +164,7 @@ def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientC
 
 # Two classes: grpc.aio files an interceptor under the first call type it implements only.
 class _UnaryTraceContext(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds the current trace context to unary calls."""
+    """Adds the current trace context (and this process's API key) to unary calls."""
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         """Unary calls."""
@@ -193,9 +194,11 @@ class Tls:
             return None
         return cls(Path(cert_file).read_bytes(), Path(key_file).read_bytes(), Path(ca_file).read_bytes())
 
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """Serve with our certificate and require clients to present one the CA signed (mutual TLS)."""
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
+    def server_credentials(self, mutual: bool = True) -> grpc.ServerCredentials:
+        """Serve with our certificate; ``mutual``: require clients to present one the CA signed."""
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca if mutual else None, require_client_auth=mutual
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Verify servers against the CA and present our certificate."""
@@ -240,11 +243,10 @@ def channel(address: str) -> grpc.aio.Channel:
     )
 
 
-def sync_channel(address: str) -> grpc.Channel:
-    """A blocking channel (command-line tools), TLS when configured."""
-    if _tls is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, _tls.channel_credentials())
+def sync_channel(address: str, api_key: str | None = None) -> grpc.Channel:
+    """A blocking channel (command-line tools), TLS when configured, sending ``api_key`` (None: the process's)."""
+    plain = grpc.insecure_channel(address) if _tls is None else grpc.secure_channel(address, _tls.channel_credentials())
+    return grpc.intercept_channel(plain, WithKey(api_key))
 
 
 @dataclass
@@ -271,8 +273,12 @@ async def serve(
     on_bound: Callable[[str], Awaitable[None]] | None = None,
     live: Callable[[], bool] | None = None,
     fatal: asyncio.Future[Any] | None = None,
+    api_keys: Sequence[str] = (),
 ) -> bool:
     """Serve until SIGTERM/SIGINT or ``fatal`` resolves, registered in ``registry`` (when given).
+
+    With ``api_keys`` every call but health checks needs one of them (services/common/api_keys.py), and a
+    TLS port asks for no client certificate: the public API's credential is the key.
 
     The etcd record is ``record(address, metrics_address)``, by default the plain ``InstanceRecord``.
 
@@ -283,7 +289,10 @@ async def serve(
     Returns False after a fatal stop, True after a signal.
     """
     services = list(services)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    if api_keys:
+        interceptors.append(ApiKeyCheck(api_keys))
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for s in services:
@@ -292,7 +301,9 @@ async def serve(
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
     target = f"{host}:{port}"
     bound = (
-        server.add_insecure_port(target) if _tls is None else server.add_secure_port(target, _tls.server_credentials())
+        server.add_insecure_port(target)
+        if _tls is None
+        else server.add_secure_port(target, _tls.server_credentials(mutual=not api_keys))
     )
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")

@@ -86,11 +86,12 @@ class BuiltinEngine:
             if imported is None:
                 e.add_request(request_id, prompt, params, prefill_only=prefill_only)
                 return None
-            _commit(e, imported)
-            try:
-                e.add_request(request_id, prompt, params, prefill_only=prefill_only)
-            finally:
-                e.unpin_blocks(imported.held)  # the request took its own references
+            pinned = imported.held + _commit(e, imported, keep_reference=True)
+            try:  # the request holds the copy's blocks until admitted: a wait in the queue cannot evict them
+                e.add_request(request_id, prompt, params, prefill_only=prefill_only, pinned=pinned)
+            except BaseException:
+                e.unpin_blocks(pinned)
+                raise
             return None
 
         async for out in self._stream(request_id, add):
@@ -195,17 +196,22 @@ class BuiltinEngine:
         self._loop.inject_fault(kind)
 
 
-def _commit(e: LLMEngine, imported: ImportedBlocks) -> None:
-    """Engine thread: cache the copied blocks and give back the unfilled targets."""
+def _commit(e: LLMEngine, imported: ImportedBlocks, keep_reference: bool = False) -> list[int]:
+    """Engine thread: cache the copied blocks and give back the unfilled targets; the copied blocks.
+
+    ``keep_reference``: the copied blocks stay referenced (the caller hands the references on).
+    """
     bs = e.kv_pool.block_size
     first, last = len(imported.held), len(imported.held) + imported.num_copied
     copied = imported.targets[: imported.num_copied]
     if copied:
         parent = imported.block_hashes[first - 1] if first else None
         e.commit_imported_blocks(
-            copied, imported.block_hashes[first:last], imported.token_ids[first * bs : last * bs], parent
-        )
+            copied, imported.block_hashes[first:last], imported.token_ids[first * bs : last * bs], parent,
+            keep_reference=keep_reference,
+        )  # fmt: skip
     e.unpin_blocks(imported.targets[imported.num_copied :])
+    return copied
 
 
 def emulation_of(config: Config) -> Emulation:

@@ -1,4 +1,9 @@
-"""TLS: HTTPS on the REST shim, mutual TLS on gRPC between every service (self-signed CA made here)."""
+"""TLS: HTTPS on the REST shim, mutual TLS on gRPC between the services, API keys on the public gRPC API.
+
+A self-signed CA made here signs the services' certificate. With ``[gateway] api_keys`` set, the
+Conductor's port takes TLS without a client certificate and wants a key; every other gRPC port (workers,
+kvmeta) takes only callers holding a certificate the CA signed.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,22 @@ import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import running_cluster
 
-from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
+from kvconductor.v1 import (
+    common_pb2,
+    conductor_pb2,
+    conductor_pb2_grpc,
+    decode_pb2,
+    decode_pb2_grpc,
+    kvmeta_pb2,
+    kvmeta_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+KEY = "tls-test-key"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -38,35 +56,85 @@ def tls_cluster(tmp_path_factory, model_dir, pki):
         tmp_path_factory.mktemp("tls") / "run", model_dir, "prefill.node_count=1", "decode.node_count=1",
         f'cluster.tls_cert_file="{pki / "node.pem"}"', f'cluster.tls_key_file="{pki / "node.key"}"',
         f'cluster.tls_ca_file="{pki / "ca.pem"}"', f'gateway.tls_cert_file="{pki / "node.pem"}"',
-        f'gateway.tls_key_file="{pki / "node.key"}"',
+        f'gateway.tls_key_file="{pki / "node.key"}"', f'gateway.api_keys=["{KEY}"]',
     ) as c:  # fmt: skip
         yield c
 
 
 def test_rest_over_https(tls_cluster, pki):
     assert tls_cluster.rest.startswith("https://")
-    client = openai.OpenAI(
-        base_url=tls_cluster.rest, api_key="unused", http_client=httpx.Client(verify=str(pki / "ca.pem"))
-    )
+    client = openai.OpenAI(base_url=tls_cluster.rest, api_key=KEY, http_client=httpx.Client(verify=str(pki / "ca.pem")))
     reply = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 3  # the whole path ran: gateway, Conductor, prefill, decode
     with pytest.raises(httpx.HTTPError):
         httpx.get(tls_cluster.rest.replace("https://", "http://") + "/models", timeout=5).raise_for_status()
 
 
-def test_grpc_requires_a_certificate_the_ca_signed(tls_cluster, pki):
-    request = conductor_pb2.GetStatusRequest()
+def _credentials(pki, with_certificate):
     ca, cert, key = ((pki / name).read_bytes() for name in ("ca.pem", "node.pem", "node.key"))
-    mutual = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    with grpc.secure_channel(tls_cluster.conductor, mutual) as channel:
-        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(request, timeout=10)
+    if with_certificate:
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
+def _generate(channel, metadata):
+    request = conductor_pb2.GenerateRequest(
+        token_ids=conductor_pb2.TokenIds(ids=list(range(40, 60))),
+        sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    )
+    return [t for m in conductor_pb2_grpc.ConductorStub(channel).Generate(request, metadata=metadata, timeout=60)
+            for t in m.token_ids]  # fmt: skip
+
+
+def test_the_public_grpc_api_wants_an_api_key(tls_cluster, pki):
+    bearer = [("authorization", f"Bearer {KEY}")]
+    with grpc.secure_channel(tls_cluster.conductor, _credentials(pki, with_certificate=False)) as channel:
+        for metadata in ((), [("authorization", "Bearer wrong")]):  # no key; a wrong one
+            with pytest.raises(grpc.RpcError) as refused:
+                _generate(channel, metadata)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+            assert "API key" in refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:
+                conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), metadata=metadata)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no key
+        assert len(_generate(channel, bearer)) == 3  # with the key, a client without a certificate is served
+        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), metadata=bearer)
     assert {i.role for i in status.instances} == {"prefill", "decode"}
-    for credentials in (None, grpc.ssl_channel_credentials(root_certificates=ca)):  # plaintext; TLS without a cert
-        channel = (
-            grpc.insecure_channel(tls_cluster.conductor)
-            if credentials is None
-            else grpc.secure_channel(tls_cluster.conductor, credentials)
-        )
-        with channel, pytest.raises(grpc.RpcError) as refused:
-            conductor_pb2_grpc.ConductorStub(channel).GetStatus(request, timeout=5)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(tls_cluster.conductor) as channel, pytest.raises(grpc.RpcError) as refused:
+        _generate(channel, bearer)  # plaintext: no TLS handshake, no call
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _records(cluster):
+    from services.common.registry import Registry
+
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        return {role: next(iter(registry.list(role).values())) for role in ("prefill", "decode", "kvmeta")}
+
+
+def test_worker_and_kvmeta_ports_take_only_service_certificates(tls_cluster, pki):
+    records = _records(tls_cluster)
+    calls = {
+        "ExportBlocks": ("prefill", lambda ch: prefill_pb2_grpc.PrefillStub(ch).ExportBlocks(
+            prefill_pb2.ExportBlocksRequest(), timeout=10)),
+        "Reserve": ("decode", lambda ch: decode_pb2_grpc.DecodeStub(ch).Reserve(
+            decode_pb2.ReserveRequest(request_id="tls-probe", num_prompt_tokens=16,
+                                   sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=10)),
+        "MatchPrefix": ("kvmeta", lambda ch: kvmeta_pb2_grpc.KvMetaStub(ch).MatchPrefix(
+            kvmeta_pb2.MatchPrefixRequest(block_hashes=[b"\x00" * 32]), timeout=10)),
+    }  # fmt: skip
+    for name, (role, call) in calls.items():
+        address = records[role].address
+        for credentials in (None, _credentials(pki, with_certificate=False)):  # plaintext; TLS without a cert
+            channel = (
+                grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+            )
+            with channel, pytest.raises(grpc.RpcError) as refused:
+                call(channel)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (name, refused.value)
+        with grpc.secure_channel(address, _credentials(pki, with_certificate=True)) as channel:
+            call(channel)  # a service certificate gets through
+    with grpc.secure_channel(records["decode"].address, _credentials(pki, with_certificate=True)) as channel:
+        decode_pb2_grpc.DecodeStub(channel).Release(decode_pb2.ReleaseRequest(request_id="tls-probe"), timeout=10)

@@ -178,3 +178,50 @@ def test_one_prefill_at_a_time_runs_prompts_first_come_first_served(model_dir: P
     packed.add_request("b", list(range(100, 150)), params, prefill_only=True)
     assert [out.request_id for out in packed.step() if out.finished] == []
     assert sorted(out.request_id for out in packed.step() if out.finished) == ["a"]
+
+
+def _import(engine: LLMEngine, prompt: list[int], num_blocks: int) -> list[int]:
+    """A KV copy's blocks for ``prompt``'s first ``num_blocks`` blocks, cached and still referenced."""
+    blocks = engine.allocate_blocks(num_blocks)
+    assert blocks is not None
+    hashes = prefix_block_hashes(prompt[: num_blocks * 16], 16)
+    engine.commit_imported_blocks(blocks, hashes, prompt[: num_blocks * 16], keep_reference=True)
+    return blocks
+
+
+def test_a_copied_prefix_pinned_for_a_waiting_request_outlives_the_requests_ahead(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=8, block_size=16, max_num_seqs=1)
+    prompt = random_prompt(40, seed=7)  # 3 blocks with its outputs, the first 2 copied in
+    pinned = _import(engine, prompt, 2)
+    for name in ("a", "b"):  # 70 + 8 tokens: 5 blocks each; b evicts what a left behind, and no more
+        engine.add_request(name, random_prompt(70, seed=ord(name)), GREEDY)
+    engine.add_request("p", prompt, GREEDY, pinned=pinned)
+    cached = {}
+    while engine.has_unfinished_requests():
+        cached.update({o.request_id: o.num_cached_tokens for o in engine.step()})
+    assert cached["p"] == 32  # without the pins b's blocks would have evicted the copy (the oldest cached)
+    assert engine.num_free_blocks == 8  # and every reference was given back
+
+
+def test_pins_never_hold_up_the_head_of_the_queue(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=8, block_size=16)
+    prompt = random_prompt(40, seed=8)
+    pinned = _import(engine, prompt, 2)
+    engine.add_request("head", random_prompt(100, seed=9), GREEDY)  # 7 blocks: more than the 6 not pinned
+    engine.add_request("p", prompt, GREEDY, pinned=pinned)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["head"]  # the pins gave way
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_free_blocks == 8
+
+
+def test_aborting_a_waiting_request_gives_back_its_pins(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, num_blocks=8, block_size=16, max_num_seqs=1)
+    prompt = random_prompt(40, seed=10)
+    engine.add_request("first", random_prompt(20, seed=11), GREEDY)
+    engine.add_request("p", prompt, GREEDY, pinned=_import(engine, prompt, 2))
+    engine.abort("p")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_free_blocks == 8

@@ -1,6 +1,6 @@
 """The Mooncake Store on a live emulated cluster: hit rate and TTFT with and without it (issue 14).
 
-    python -m bench.store.run                              # 400 requests of the conversation trace, 2P+2D
+    python -m bench.store.run                              # 400 requests of the conversation trace, 6P+2D
     python -m bench.store.run --out bench/results/store    # update the committed results
 
 The trace's first ``--limit`` requests (prompts at full length up to ``--max-input-tokens``, outputs capped)
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_slice_arguments(p)
     p.set_defaults(limit=400)
     p.add_argument("--max-input-tokens", type=int, default=32768, help="leave out longer prompts (default 32768)")
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
+    p.add_argument("--prefill", type=int, default=6, help="prefill workers (default 6: the slice's load at about half)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--pool-share", type=float, default=0.1, help="engine pools / working set (default 0.1)")
     p.add_argument("--config", default=str(REPO / "deploy" / "emulated.toml"), help="the live cluster's config")

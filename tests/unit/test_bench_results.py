@@ -354,3 +354,33 @@ def test_the_higher_grid_sweep_says_what_its_json_says():
     assert not missing, f"README.md disagrees with shared-prefix-linear-ts2-hi/routers.json: {missing}"
     failed = sum(s["failed"] for levels in run.values() for s in levels.values())
     assert failed == pd[20.0]["failed"] + col[20.0]["failed"]  # "nothing else failed anywhere"
+
+
+def test_the_store_benchmark_readme_says_what_its_json_says():
+    folder = SIM.parent / "store"
+    readme = (folder / "README.md").read_text()
+    flat = " ".join(readme.split())
+    for name in ("store", "overloaded-2p"):
+        record = json.loads((folder / f"{name}.json").read_text())
+        assert record["code"] and "uncommitted" not in record["code"]
+        assert record["code"] in readme and all(row in readme for row in _tables((folder / f"{name}.md").read_text()))
+    record = json.loads((folder / "store.json").read_text())
+    pools, store = record["runs"]["engine pools only"], record["runs"]["with the Store"]
+    infinite = record["infinite_hit_rate"]
+    pool_tokens = record["prefill_pool_mb"] * 2**20 // 64 * record["instances"]["prefill"]
+    claims = [
+        f"reuses {store['hit_rate'] / infinite:.1%} of what an infinite cache would ({store['hit_rate']:.1%} of the "
+        f"prompt tokens against {infinite:.1%})",
+        f"reach {pools['hit_rate'] / infinite:.0%} of it ({pools['hit_rate']:.1%})",
+        f"({record['prefill_pool_mb'] * 2**20 // 64:,} tokens",
+        f"{pool_tokens / record['working_set_tokens']:.0%} of the working set",
+        f"Store segments of {record['segment_mb']} MiB each; {record['wall_s'] / 60:.1f} min for both runs",
+        f"mean {pools['ttft_mean_s']:.2f} to {store['ttft_mean_s']:.2f} s, p90 {pools['ttft_p90_s']:.2f} to "
+        f"{store['ttft_p90_s']:.2f} s",
+        f"({record['working_set_tokens']:,} tokens of distinct trace blocks)",
+    ]
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"bench/results/store/README.md disagrees with store.json: {missing}"
+    assert store["hit_rate"] >= 0.9 * infinite  # the target, met
+    overloaded = json.loads((folder / "overloaded-2p.json").read_text())["runs"]["engine pools only"]
+    assert overloaded["errors"] == {"transport: ReadError": 1} and "`transport: ReadError`" in flat

@@ -15,7 +15,6 @@ import json
 import logging
 import uuid
 from pathlib import Path
-from typing import Any
 
 import grpc
 import uvicorn
@@ -170,20 +169,42 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error(500, f"internal error: {type(exc).__name__}")
 
 
-async def _around_request(request: Request, call_next: Any) -> Response:
-    """Every request: a server span continued from the caller's trace context, the size limit, metrics."""
-    route = request.url.path if request.url.path in ROUTES else "other"
-    parent = extract_context(dict(request.headers))
-    with tracer.start_as_current_span(f"{request.method} {route}", context=parent, kind=SpanKind.SERVER) as span:
-        limit = _gateway(request).config.gateway.max_request_bytes
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limit:
-            response: Response = _error(413, f"request body exceeds {limit} bytes")
-        else:
-            response = await call_next(request)
-        span.set_attribute("http.response.status_code", response.status_code)
-    metrics.HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
-    return response
+class _AroundRequest:
+    """Every request: a server span continued from the caller's trace context, the size limit, metrics.
+
+    Plain ASGI (not Starlette's ``BaseHTTPMiddleware``, which re-streams every chunk of a streamed response
+    through a memory stream of its own): the response's messages pass straight through, and the span covers
+    the whole response, its stream included.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        status = 500  # what an exception escaping the app becomes
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        parent = extract_context(headers)
+        with tracer.start_as_current_span(f"{scope['method']} {route}", context=parent, kind=SpanKind.SERVER) as span:
+            try:
+                size = headers.get("content-length")
+                if size is not None and size.isdigit() and int(size) > self.limit:
+                    await _error(413, f"request body exceeds {self.limit} bytes")(scope, receive, watched)
+                else:
+                    await self.app(scope, receive, watched)
+            finally:
+                span.set_attribute("http.response.status_code", status)
+                metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
 
 
 class _BodyLimit:
@@ -287,7 +308,7 @@ def create_app(config: Config) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(_BodyLimit, limit=config.gateway.max_request_bytes)
-    app.middleware("http")(_around_request)
+    app.add_middleware(_AroundRequest, limit=config.gateway.max_request_bytes)  # outermost: added last
     app.include_router(router)
     return app
 

@@ -111,21 +111,22 @@ def test_compare_readme_prose_numbers_come_from_the_json():
     best = [max((s["goodput"], label) for label, s in r.items()) for r in at4]
     peer_tpot = sorted(s["tpot_ms"]["median"] for r in at4 for s in r.values())
     ttft = [o["ttft_ms"]["median"] for o in ours]
+    peer_ttft = sorted(s["ttft_ms"]["median"] for r in at4 for s in r.values())
     claims = [
         f"goodput is {ours[0]['goodput']:.2f} req/s in the first run and {ours[1]['goodput']:.2f} req/s in the second",
         f"the best peer reached {best[0][0]:.2f} req/s ({best[0][1]}) and "
         f"{best[1][0]:.2f} req/s ({best[1][1]}): {ours[0]['goodput'] / best[0][0]:.2f}x and "
         f"{ours[1]['goodput'] / best[1][0]:.2f}x",
         f"reuses {ours[0]['prefix_cache_hit_rate']:.1%} of the prompt tokens",
-        f"its TTFT p50 is {ttft[0]:.1f} ms in the first run (the highest) and {ttft[1]:.1f} ms in the second "
-        "(the lowest)",
-        f"TPOT: {ours[0]['tpot_ms']['median']:.2f} ms p50 (the highest in the first run) and "
-        f"{ours[1]['tpot_ms']['median']:.2f} ms, against {peer_tpot[0]:.2f}-{peer_tpot[-1]:.2f} ms for the peers",
+        f"its TTFT p50 ({ttft[0]:.1f} ms and {ttft[1]:.1f} ms) is inside the peers' range "
+        f"({peer_ttft[0]:.1f}-{peer_ttft[-1]:.1f} ms)",
+        f"TPOT: {ours[0]['tpot_ms']['median']:.2f} ms p50 and {ours[1]['tpot_ms']['median']:.2f} ms, the highest in "
+        f"both runs, against {peer_tpot[0]:.2f}-{peer_tpot[-1]:.2f} ms for the peers",
     ]
-    assert ours[0]["goodput"] < min(s["goodput"] for s in at4[0].values())
-    assert ours[0]["tpot_ms"]["median"] > max(s["tpot_ms"]["median"] for s in at4[0].values())
-    assert ttft[0] > max(s["ttft_ms"]["median"] for s in at4[0].values())
-    assert ttft[1] < min(s["ttft_ms"]["median"] for s in at4[1].values())
+    for run, our in zip(at4, ours, strict=True):
+        assert our["goodput"] < min(s["goodput"] for s in run.values())
+        assert our["tpot_ms"]["median"] > max(s["tpot_ms"]["median"] for s in run.values())
+    assert peer_ttft[0] < min(ttft) and max(ttft) < peer_ttft[-1]
     claims += [
         f"TTFT p50 {ttft_at['colocated c=1']:.1f} ms colocated vs {ttft_at['disaggregated c=1']:.1f} ms disaggregated",
         f"TPOT p50 {tpot['colocated c=1']:.2f} vs {tpot['disaggregated c=1']:.2f} ms",

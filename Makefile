@@ -11,8 +11,11 @@ CONFIG ?= deploy/config.toml
 DEB_PACKAGES := libibverbs1 librdmacm1 libnuma1 libssl-dev gcc
 FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
+IMAGE_TAG ?= 0.1.0
+# the first of docker and podman that reaches its daemon (`docker info` fails with a client but no daemon)
+CONTAINER_TOOL ?= $(shell for t in docker podman; do $$t info >/dev/null 2>&1 && echo $$t && break; done)
 
-.PHONY: help install protos lint format typecheck test test-fast test-contended fuzz run model dynamo clean all
+.PHONY: help install protos lint format typecheck test test-fast test-contended fuzz run model dynamo image clean all
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -80,6 +83,15 @@ fuzz: install ## Fuzz the REST shim and gRPC API with FUZZ_EXAMPLES per test (ma
 
 run: install ## Start a whole local cluster from $(CONFIG) and serve until Ctrl-C
 	$(BIN)/kvconductor up --config $(CONFIG)
+
+# Without a container tool it fails rather than passing: a script that builds, then pushes, must not push
+# whatever image it built last time. Nothing else depends on it.
+image: ## Build the images kvconductor-cpu and kvconductor-cuda (tag IMAGE_TAG) with docker or podman
+	@if [ -z "$(CONTAINER_TOOL)" ]; then \
+	  echo "make image: no working container tool (docker info and podman info both failed); nothing built"; exit 1; \
+	fi
+	$(CONTAINER_TOOL) build -f deploy/docker/Dockerfile.cpu -t kvconductor-cpu:$(IMAGE_TAG) .
+	$(CONTAINER_TOOL) build -f deploy/docker/Dockerfile.cuda -t kvconductor-cuda:$(IMAGE_TAG) .
 
 all: lint typecheck test ## Lint, type-check and test
 

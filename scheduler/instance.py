@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from scheduler.booking import Bookings
 from scheduler.cost_model import DecodeModel, PrefillModel
-from scheduler.policy import DecodeCandidate, PrefillCandidate
+from scheduler.policy import DecodeCandidate, PrefillCandidate, Resident
 
 
 @dataclass
@@ -29,23 +29,42 @@ class InstanceState:
     exports_kv: bool = True  # its cached blocks can be copied to a peer
     prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
     decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
+    # what other Conductors booked here, as the instance last reported it (live replicas; empty in the simulator)
+    foreign_prefilling: Bookings = field(default_factory=Bookings)
+    foreign_decoding: Bookings = field(default_factory=Bookings)
+
+    def residents(self, now: float) -> tuple[Resident, ...]:
+        """The decode batch: this Conductor's bookings and the other Conductors'."""
+        return self.decoding.residents(now) + self.foreign_decoding.residents(now)
+
+    @property
+    def booked_blocks(self) -> int:
+        """KV blocks the bookings hold, every Conductor's."""
+        return self.decoding.num_blocks + self.foreign_decoding.num_blocks
+
+    def t_queue(self, now: float) -> float:
+        """Predicted prefill work ahead of a request arriving now: both queues feed the instance's one."""
+        return self.prefilling.t_queue(now) + self.foreign_prefilling.t_queue(now)
 
     def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
         """The instance as a prefill candidate for a request of which it holds ``prefix_len`` tokens."""
-        t_queue = self.prefilling.t_queue(now)
+        t_queue = self.t_queue(now)
         profile = self.profile[0] if self.profile else None
-        in_flight, queued = self.prefilling.in_prefill()
+        own, foreign = self.prefilling.in_prefill(), self.foreign_prefilling.in_prefill()
+        in_flight, queued = own[0] + foreign[0], own[1] + foreign[1]
+        idle = not self.prefilling and not self.foreign_prefilling
         if self.role != "colocated":
             return PrefillCandidate(
                 self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=self.chunk_tokens,
-                idle=not self.prefilling, profile=profile, in_flight=in_flight, queued_new_tokens=queued,
+                idle=idle, profile=profile, in_flight=in_flight, queued_new_tokens=queued,
                 exports_kv=self.exports_kv,
             )  # fmt: skip
-        decoding = [r for r in self.decoding.residents(now) if r.t_join <= 0]
+        residents = self.residents(now)
+        decoding = [r for r in residents if r.t_join <= 0]
         step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
         return PrefillCandidate(
             self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step,
-            step_tokens=self.chunk_tokens, idle=not self.prefilling and not self.decoding, profile=profile,
+            step_tokens=self.chunk_tokens, idle=idle and not residents, profile=profile,
             in_flight=in_flight, queued_new_tokens=queued, exports_kv=self.exports_kv,
         )  # fmt: skip
 
@@ -53,8 +72,8 @@ class InstanceState:
         """The instance as a decode candidate."""
         return DecodeCandidate(
             self.instance_id,
-            residents=self.decoding.residents(now),
-            num_free_blocks=self.num_blocks - self.decoding.num_blocks,
+            residents=self.residents(now),
+            num_free_blocks=self.num_blocks - self.booked_blocks,
             max_running=self.max_running,
             model=self.decode_model,
             profile=self.profile[1] if self.profile else None,

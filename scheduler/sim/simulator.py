@@ -279,7 +279,7 @@ class Simulator:
         for d in self.decodes:
             d.advance_to(now)
         pool = self.prefills or self.decodes
-        queue = [p.state.prefilling.t_queue(now) for p in pool]
+        queue = [p.state.t_queue(now) for p in pool]
         steps = [d.model.predict(d.batch, d.context) for d in self.decodes]
         self.samples.append(
             {

@@ -25,6 +25,7 @@ from services.common.rpc import channel
 log = logging.getLogger(__name__)
 QUARANTINE_POLL_S = 0.25  # wait_for re-checks this often: quarantines end with time, not with events
 CHANNEL_CLOSE_GRACE_S = 120.0
+KVMETA_AVOID_S = 5.0
 
 
 @dataclass
@@ -76,6 +77,7 @@ def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
     )  # fmt: skip
     if old is not None:
         state.prefilling, state.decoding = old.prefilling, old.decoding
+        state.foreign_prefilling, state.foreign_decoding = old.foreign_prefilling, old.foreign_decoding
     return state
 
 
@@ -85,10 +87,9 @@ class ClusterView:
     def __init__(self, engine: str = "builtin") -> None:
         self.engine = engine  # [engine] backend: workers of another backend are refused (one backend per cluster)
         self.instances: dict[str, InstanceView] = {}
-        self.kvmeta_address = ""
-        self.kvmeta: grpc.aio.Channel | None = None  # channel to kvmeta, when one is registered
         self.store: StoreRecord | None = None  # the store service (the Mooncake Store), when one is registered
-        self._kvmeta_addresses: dict[str, str] = {}  # kvmeta instances by id, in registration order
+        self._kvmeta: dict[str, tuple[str, grpc.aio.Channel]] = {}  # kvmeta replicas by id: address, channel
+        self._kvmeta_failed: dict[str, float] = {}  # kvmeta address -> until when it is asked last
         self._quarantine: dict[str, float] = {}  # instance -> monotonic time it may be used again
         self._suspects: dict[str, int | None] = {}  # stalled instance -> its engine beats when first probed
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,18 +170,29 @@ class ClusterView:
         return departed[0]
 
     def _apply_kvmeta(self, event: InstanceEvent) -> None:
-        """Follow the newest kvmeta: a replacement registers before the old one's lease expires."""
-        if event.kind == "put" and event.record:
-            self._kvmeta_addresses[event.instance_id] = event.record.address
-        else:
-            self._kvmeta_addresses.pop(event.instance_id, None)
-        address = next(reversed(self._kvmeta_addresses.values()), "")
-        if address == self.kvmeta_address:
+        """Follow the kvmeta replicas (every worker publishes to each, so any one can answer)."""
+        old = self._kvmeta.pop(event.instance_id, None)
+        address = event.record.address if event.kind == "put" and event.record else ""
+        if old is not None and old[0] == address:
+            self._kvmeta[event.instance_id] = old
             return
-        if self.kvmeta is not None:
-            asyncio.ensure_future(self.kvmeta.close())
-        self.kvmeta_address = address
-        self.kvmeta = channel(address) if address else None
+        if old is not None:
+            asyncio.ensure_future(old[1].close())
+        if address:
+            self._kvmeta[event.instance_id] = (address, channel(address))
+
+    @property
+    def kvmetas(self) -> list[tuple[str, grpc.aio.Channel]]:
+        """The kvmeta replicas, newest first, the ones that failed a call lately last.
+
+        Newest first: a replacement registers before the old one's lease expires.
+        """
+        now = time.monotonic()
+        return sorted(reversed(self._kvmeta.values()), key=lambda k: self._kvmeta_failed.get(k[0], 0.0) > now)
+
+    def kvmeta_failed(self, address: str) -> None:
+        """A kvmeta replica did not answer: ask the others first for a while."""
+        self._kvmeta_failed[address] = time.monotonic() + KVMETA_AVOID_S
 
     async def wait_for(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``ready()`` holds (checked at each registry change, and as quarantines end); whether it does."""

@@ -52,6 +52,7 @@ from services.conductor.decisions import DecisionLog, decision_attributes, to_de
 from services.conductor.detokenizer import Detokenizer
 from services.conductor.job import RETRYABLE, Job, Piece, WorkerFailure, blame
 from services.conductor.prediction_errors import DEFAULT_WINDOW_S, PredictionErrors
+from services.conductor.shared_load import Overcommit, SharedLoad, booking_message
 
 log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -61,10 +62,14 @@ OVERHEAD_CAP = 0.25  # the learned TTFT overhead is at most this share of the TT
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     """``Conductor.Generate``, ``ExplainDecision`` and ``GetStatus``."""
 
-    def __init__(self, config: Config, view: ClusterView, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, config: Config, view: ClusterView, tokenizer: Tokenizer, conductor_id: str = "conductor-0"
+    ) -> None:
         self.config = config
         self.view = view
         self.tokenizer = tokenizer
+        self.conductor_id = conductor_id  # its instance id: the workers tell the other replicas what it booked
+        self.shared = SharedLoad(view, conductor_id)
         self.core = ConductorCore(
             ConductorPolicy(config.scheduler.policy_config()),
             LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps)),
@@ -129,10 +134,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 instance_id=v.instance_id,
                 address=v.record.address,
                 num_blocks=v.record.num_blocks,
-                num_running=len(v.state.decoding) + len(v.state.prefilling),
-                t_queue_ms=v.state.prefilling.t_queue(now) * 1e3,
+                num_running=len(v.state.decoding.items.keys() | v.state.prefilling.items.keys()),
+                t_queue_ms=v.state.t_queue(now) * 1e3,
                 record_json=json.dumps(v.record.to_json(), sort_keys=True),
                 scheduling=self.view.scheduling(v.instance_id, now),
+                num_foreign=len(v.state.foreign_decoding.items.keys() | v.state.foreign_prefilling.items.keys()),
+                overcommit_requests_max=self.shared.overcommit.get(v.instance_id, Overcommit()).requests,
+                overcommit_blocks_max=self.shared.overcommit.get(v.instance_id, Overcommit()).blocks,
             )
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
         ]
@@ -181,7 +189,16 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             sampling.seed = random.getrandbits(63)
         rid = request.request_id or uuid.uuid4().hex
         hashes = prefix_block_hashes(prompt, self.view.block_size())
-        return Job(rid, prompt, sampling, list(request.stop), hashes)
+        job = Job(rid, prompt, sampling, list(request.stop), hashes)
+        if request.resume_token_ids:  # a failed-over request: continue after what the client already has
+            resumed = list(request.resume_token_ids)
+            self._check_vocab(resumed)
+            if len(resumed) >= sampling.max_tokens:
+                raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({sampling.max_tokens})")
+            job.generated = resumed
+        if request.failovers:  # the failed Conductor's attempts may still be releasing that id on the workers
+            job.worker_id_base = f"{rid}~{uuid.uuid4().hex[:8]}"
+        return job
 
     def _prompt_ids(self, request: conductor_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -193,10 +210,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise ValueError("the request needs a prompt: text or token_ids")
         if not prompt:
             raise ValueError("the prompt is empty")
-        vocab = min(v.record.vocab_size for v in self.view.instances.values())
-        if max(prompt) >= vocab:
-            raise ValueError(f"token id {max(prompt)} is outside the vocabulary (size {vocab})")
+        self._check_vocab(prompt)
         return prompt
+
+    def _check_vocab(self, token_ids: list[int]) -> None:
+        vocab = min(v.record.vocab_size for v in self.view.instances.values())
+        if max(token_ids) >= vocab:
+            raise ValueError(f"token id {max(token_ids)} is outside the vocabulary (size {vocab})")
 
     def _available(self, deployment: int) -> tuple[bool, bool]:
         """(prefill and decode workers, colocated workers) that ``deployment`` may use now."""
@@ -225,17 +245,22 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     async def _prefix_lens(self, job: Job, pool: list[InstanceView], store: str = "") -> dict[str, int]:
         """Cached prefix length (tokens) per instance, and in the Store under ``store``.
 
-        Empty when kvmeta cannot answer (cache-unaware).
+        Empty when no kvmeta replica can answer (cache-unaware).
         """
         hashes = job.attempt_hashes(self.view.block_size())
-        if not hashes or self.view.kvmeta is None:
+        if not hashes:
             return {}
         ids = [v.instance_id for v in pool] + ([store] if store else [])
         request = kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes, instance_ids=ids)
-        try:
-            response = await kvmeta_pb2_grpc.KvMetaStub(self.view.kvmeta).MatchPrefix(request, timeout=1.0)
-        except grpc.aio.AioRpcError as e:
-            log.warning("kvmeta unavailable (%s): scheduling without prefix matches", e.code().name)
+        for address, kvmeta in self.view.kvmetas:  # the next replica when one does not answer
+            try:
+                response = await kvmeta_pb2_grpc.KvMetaStub(kvmeta).MatchPrefix(request, timeout=1.0)
+                break
+            except grpc.aio.AioRpcError as e:
+                log.warning("kvmeta at %s unavailable (%s)", address, e.code().name)
+                self.view.kvmeta_failed(address)
+        else:
+            log.warning("no kvmeta answered: scheduling without prefix matches")
             return {}
         block_size = self.view.block_size()
         return {m.instance_id: m.prefix_blocks * block_size for m in response.matches}
@@ -452,6 +477,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     num_prompt_tokens=len(tokens),
                     sampling=sampling,
                     hold_s=prefill_deadline,  # the longest the prefill may take under the watchdog
+                    booking=booking_message(self.conductor_id, job.request_id, None, d.state),
                 )
                 if not p.record.exports_kv:  # vLLM: d queues the request now and p's connector pushes the KV
                     reserve.prompt_token_ids.extend(tokens)
@@ -463,6 +489,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 prompt_token_ids=tokens,
                 sampling=sampling,
                 destination=reserved.target,
+                booking=booking_message(self.conductor_id, job.request_id, p.state, None),
             )
             source = self._copy_source(plan.prefill.copy_from)
             if source is not None:
@@ -540,7 +567,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         c = self.view.instances[plan.prefill.instance_id]
         self._assign(job, plan, c, c)
         request = colocated_pb2.ColocatedRequest(
-            request_id=job.worker_request_id, prompt_token_ids=job.tokens, sampling=job.attempt_sampling
+            request_id=job.worker_request_id,
+            prompt_token_ids=job.tokens,
+            sampling=job.attempt_sampling,
+            booking=booking_message(self.conductor_id, job.request_id, c.state, c.state),
         )
         job.phase = "colocated"
         with blame(c.instance_id):
@@ -560,7 +590,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self, job: Job, pieces: AsyncGenerator[Piece, None], include_decision: bool
     ) -> AsyncIterator[conductor_pb2.GenerateResponse]:
         detok = Detokenizer(self.tokenizer, job.stop)
-        completion, cached = 0, 0
+        detok.add(job.generated)  # a resumed request's: its text reached the client through the Conductor that failed
+        completion, cached = len(job.generated), 0
         times: list[float] = []
         try:
             async for piece in pieces:

@@ -39,6 +39,7 @@ class Job:
     attempt: int = 1  # the current attempt, from 1
     phase: str = ""  # what the current attempt waits for: "prefill", "decode" or "colocated" (watchdog, metrics)
     worker_ttft: float | None = None  # seconds the prefill worker reported for token 0 (queue included)
+    worker_id_base: str = ""  # the workers' id of the first attempt when not the request id (a resumed request)
 
     @property
     def tokens(self) -> list[int]:
@@ -53,7 +54,8 @@ class Job:
         prefill, a stalled worker that moved again) while that attempt's reservation or request is still
         being released there; distinct ids keep the two apart.
         """
-        return self.request_id if self.attempt <= 1 else f"{self.request_id}.{self.attempt}"
+        base = self.worker_id_base or self.request_id
+        return base if self.attempt <= 1 else f"{base}.{self.attempt}"
 
     @property
     def attempt_sampling(self) -> common_pb2.SamplingParams:

@@ -30,12 +30,12 @@ from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
 from engine.tokenizer import load_tokenizer
-from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from kvconductor.v1 import common_pb2, conductor_pb2
 from services.common import metrics
 from services.common.config import Config
-from services.common.rpc import channel
 from services.common.telemetry import extract_context, tracer
 from services.gateway.chat_template import ChatTemplate
+from services.gateway.conductors import Conductors
 from services.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,22 +69,15 @@ def _grpc_error(e: grpc.aio.AioRpcError, request_id: str) -> JSONResponse:
 class Gateway:
     """The shim's state: config, chat template, Conductor channel."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, discover: bool = True) -> None:
         self.config = config
+        self.conductors = Conductors(config, discover)
         self.model = config.model.name
         self.template = ChatTemplate(config.model.path)
         self.keys = [k.encode() for k in config.gateway.api_keys]
-        self._channel: grpc.aio.Channel | None = None
         self._tokenizer: Tokenizer | None = None
         self.in_flight = 0  # requests being generated (the event loop is the only writer)
         self._max_model_len = 0
-
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        """The channel to the Conductor, made on first use inside the server's event loop."""
-        if self._channel is None:
-            self._channel = channel(self.config.cluster.scheduler_endpoint)
-        return self._channel
 
     def tokenizer(self) -> tuple[Tokenizer, int]:
         """The served model's tokenizer and context length (loaded on first use)."""
@@ -93,11 +86,6 @@ class Gateway:
             self._tokenizer = load_tokenizer(self.config.model.path)
             self._max_model_len = ModelConfig.from_hf_config(raw, self.model).max_model_len
         return self._tokenizer, self._max_model_len
-
-    @property
-    def conductor(self) -> conductor_pb2_grpc.ConductorStub:
-        """Stub of the Conductor."""
-        return conductor_pb2_grpc.ConductorStub(self.channel)
 
     def check_key(self, request: Request) -> None:
         """Bearer-key check, in constant time per configured key."""
@@ -235,15 +223,19 @@ async def prometheus_metrics() -> Response:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the Conductor is SERVING: it answers and has workers that can serve a request."""
-    try:
-        stub = health_pb2_grpc.HealthStub(_gateway(request).channel)
-        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-    except grpc.aio.AioRpcError:
-        return _error(503, "the Conductor is unreachable")
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return _error(503, "the Conductor is not serving")
-    return JSONResponse({"status": "ok"})
+    """200 when a Conductor is SERVING: it answers and has workers that can serve a request."""
+    conductors = _gateway(request).conductors
+    problem = "unreachable"
+    for address in conductors.addresses():
+        try:
+            stub = health_pb2_grpc.HealthStub(conductors.channel(address))
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            continue
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return JSONResponse({"status": "ok"})
+        problem = "not serving"
+    return _error(503, f"the Conductor is {problem}")
 
 
 @router.get("/v1/models")
@@ -272,10 +264,10 @@ async def get_load(request: Request) -> JSONResponse:
     """Requests in flight behind this endpoint (for routers' load-based policies)."""
     gateway = _gateway(request)
     try:
-        status = await gateway.conductor.GetStatus(conductor_pb2.GetStatusRequest(), timeout=2.0)
+        status = await gateway.conductors.stub().GetStatus(conductor_pb2.GetStatusRequest(), timeout=2.0)
     except grpc.aio.AioRpcError as e:
         return _grpc_error(e, "")
-    running = sum(i.num_running for i in status.instances)
+    running = sum(i.num_running + i.num_foreign for i in status.instances)
     return JSONResponse({"load": running, "num_running": running, "num_instances": len(status.instances)})
 
 
@@ -297,10 +289,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _generate(gateway, body, request, prompt, chat=True)
 
 
-def create_app(config: Config) -> FastAPI:
-    """The FastAPI application."""
+def create_app(config: Config, discover: bool = True) -> FastAPI:
+    """The FastAPI application; ``discover``: every Conductor registered in etcd, not only scheduler_endpoint."""
     app = FastAPI(title="kvconductor", description=__doc__)
-    app.state.gateway = Gateway(config)
+    app.state.gateway = Gateway(config, discover)
     if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -336,7 +328,7 @@ async def _run(
 ) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     try:
-        call = gateway.conductor.Generate(gateway.grpc_request(body, request_id, prompt))
+        call = gateway.conductors.generate(gateway.grpc_request(body, request_id, prompt))
         first = await call.read()
     except grpc.aio.AioRpcError as e:
         return _grpc_error(e, request_id)

@@ -28,13 +28,17 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
         w, rid = self.worker, request.request_id
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
         first = True
-        async with contextlib.aclosing(w.engine.generate(rid, prompt, params)) as outputs:
-            async for out in outputs:
-                if out.new_token_ids or out.finished:
-                    yield token_chunk(list(out.new_token_ids), out.finish_reason, out.num_cached_tokens if first else 0)
-                if first:  # the prompt's blocks are cached now: let the Conductor see them
-                    await w.publish_kv_events()
-                    first = False
+        with w.ledger.holding(rid, request.booking):
+            async with contextlib.aclosing(w.engine.generate(rid, prompt, params)) as outputs:
+                async for out in outputs:
+                    if out.new_token_ids:
+                        w.ledger.prefill_done(rid)
+                    if out.new_token_ids or out.finished:
+                        yield token_chunk(list(out.new_token_ids), out.finish_reason,
+                                          out.num_cached_tokens if first else 0)  # fmt: skip
+                    if first:  # the prompt's blocks are cached now: let the Conductor see them
+                        await w.publish_kv_events()
+                        first = False
 
 
 def services(worker: Worker) -> list[Service]:

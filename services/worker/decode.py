@@ -58,6 +58,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         # held through the prefill the Conductor plans (its queue included), then kv_transfer_timeout_s
         self.reservations[rid] = time.monotonic() + max(0.0, request.hold_s) + w.config.cluster.kv_transfer_timeout_s
+        w.ledger.add(rid, request.booking)
         remote = request.remote_prefill
         remote_prefill = RemotePrefill(remote.engine_id, remote.bootstrap_addr) if remote.engine_id else None
 
@@ -72,10 +73,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             blocks, free = await complete(reserve())
         except ValueError:
-            self.reservations.pop(rid, None)
+            self._forget(rid)
             raise
         if blocks is None:
-            self.reservations.pop(rid, None)
+            self._forget(rid)
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
         if w.engine.moves_kv_itself:  # queued in the engine; its connector pulls the KV
             return decode_pb2.ReserveResponse(target=common_pb2.KVBlockTarget(), num_free_blocks=free)
@@ -93,6 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         w, rid = self.worker, request.request_id
         if self.reservations.pop(rid, None) is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation for request {rid!r} (expired?)")
+        w.ledger.decode_started(rid)
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
         if not w.engine.moves_kv_itself:
             num_blocks = w.engine.layout.num_blocks_for(len(prompt))
@@ -111,6 +113,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if out.new_token_ids or out.finished:
                         yield token_chunk(list(out.new_token_ids), out.finish_reason)
         finally:
+            w.ledger.remove(rid)
             span.set_attributes(_tbt_attributes(gaps))
 
     async def Release(self, request: decode_pb2.ReleaseRequest, context: Any) -> decode_pb2.ReleaseResponse:  # noqa: N802
@@ -119,8 +122,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.reservations.pop(rid, None) is None:  # not come yet (a cancelled Reserve may still arrive)
             self.released[rid] = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
             return decode_pb2.ReleaseResponse(released=False)
+        self.worker.ledger.remove(rid)
         await self.worker.engine.abort(rid)  # reserved, never in a batch
         return decode_pb2.ReleaseResponse(released=True)
+
+    def _forget(self, rid: str) -> None:
+        self.reservations.pop(rid, None)
+        self.worker.ledger.remove(rid)
 
     async def expire_reservations(self) -> None:
         """Release reservations whose KV never came (runs for the worker's lifetime)."""
@@ -131,7 +139,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 del self.released[rid]
             for rid in [rid for rid, deadline in self.reservations.items() if deadline < now]:
                 log.warning("reservation %s expired before its KV arrived; releasing its blocks", rid)
-                del self.reservations[rid]
+                self._forget(rid)
                 await self.worker.engine.abort(rid)
 
 

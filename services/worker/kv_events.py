@@ -1,8 +1,10 @@
-"""Publishes a worker's KV events (blocks stored / evicted) to kvmeta.
+"""Publishes a worker's KV events (blocks stored / evicted) to every kvmeta replica.
 
-Every call carries the next per-instance sequence number. When kvmeta reports a gap (it restarted, or a
-call was lost) or a call fails, the next publish sends the full inventory instead of a delta, so the
-index converges without the worker ever failing a request because kvmeta is away.
+Every call carries the next per-instance sequence number. When a kvmeta reports a gap (it restarted, or a
+call was lost) or a call fails, the next publish to that replica sends the full inventory instead of a
+delta, so each index converges without the worker ever failing a request because a kvmeta is away. The
+replicas are the kvmeta instances registered in etcd, re-listed at every heartbeat: a new replica gets the
+full inventory within one heartbeat, and losing one leaves the others' indexes whole.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,8 +23,22 @@ from services.common.rpc import channel
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Replica:
+    """One kvmeta: its channel, and whether it needs the full inventory next."""
+
+    address: str
+    channel: grpc.aio.Channel
+    resync: bool = True
+
+    @property
+    def stub(self) -> kvmeta_pb2_grpc.KvMetaStub:
+        """Stub of KvMeta."""
+        return kvmeta_pb2_grpc.KvMetaStub(self.channel)
+
+
 class KvEventPublisher:
-    """Delta publishing with resync on a gap; the worker's inventory is tracked here."""
+    """Delta publishing with resync on a gap, to each kvmeta; the worker's inventory is tracked here."""
 
     def __init__(self, registry: Registry, instance_id: str, timeout_s: float = 2.0) -> None:
         self.registry = registry
@@ -29,89 +46,98 @@ class KvEventPublisher:
         self.timeout_s = timeout_s
         self.inventory: set[bytes] = set()
         self._seq = 0
-        self._resync = True
-        self._channel: grpc.aio.Channel | None = None
+        self._replicas: dict[str, Replica] = {}  # kvmeta instance id -> replica
+        self._listed = False
         self._lock = asyncio.Lock()
 
     async def publish(self, stored: Iterable[bytes], removed: Iterable[bytes], heartbeat: bool = False) -> None:
-        """Apply the delta locally and send it (or the full inventory after a gap).
+        """Apply the delta locally and send it (or the full inventory after a gap) to every replica.
 
         An empty delta is sent only as a ``heartbeat``: it lets a restarted kvmeta, which no longer
-        knows this instance, ask for the inventory even while the worker is idle.
+        knows this instance, ask for the inventory even while the worker is idle; the heartbeat also
+        re-lists the replicas.
         """
         stored, removed = list(stored), list(removed)
         self.inventory.difference_update(removed)
         self.inventory.update(stored)
-        if not stored and not removed and not self._resync and not heartbeat:
+        resync = any(r.resync for r in self._replicas.values())
+        if not stored and not removed and not resync and not heartbeat and self._listed:
             return
-        async with self._lock:  # one call at a time: sequence numbers arrive in order, the channel is not shared
-            await self._send(stored, removed)
+        async with self._lock:  # one call at a time: sequence numbers arrive in order, each in every replica
+            if heartbeat or not self._listed:
+                await self._list()
+            self._seq += 1
+            await asyncio.gather(*(self._send(r, self._seq, stored, removed) for r in self._replicas.values()))
 
     async def publish_store(self, store_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        """Tell kvmeta which blocks this worker put into the Mooncake Store (``store_id``'s) or found gone there.
+        """Tell every kvmeta which blocks this worker put into the Mooncake Store (``store_id``'s) or found gone.
 
         No sequence and no resync: the Store's entries are a set many workers add to; a lost call leaves
         blocks out of the index (or a stale entry whose read then misses), never a wrong match.
         """
         if not stored and not removed:
             return
-        async with self._lock:
-            stub = await self._stub()
-            if stub is None:
-                return
-            request = kvmeta_pb2.PublishEventsRequest(instance_id=store_id, stored_block_hashes=list(stored),
-                                                      removed_block_hashes=list(removed),
-                                                      tier=common_pb2.KV_TIER_STORE)  # fmt: skip
-            try:
-                await stub.PublishEvents(request, timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as e:
-                log.warning("kvmeta unreachable for the Store's entries (%s)", _reason(e))
+        request = kvmeta_pb2.PublishEventsRequest(
+            instance_id=store_id, stored_block_hashes=list(stored), removed_block_hashes=list(removed),
+            tier=common_pb2.KV_TIER_STORE,
+        )  # fmt: skip
 
-    async def _send(self, stored: list[bytes], removed: list[bytes]) -> None:
-        stub = await self._stub()
-        if stub is None:
-            self._resync = True
-            return
-        full = self._resync
-        self._seq += 1
+        async def send(replica: Replica) -> None:
+            try:
+                await replica.stub.PublishEvents(request, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.warning("kvmeta at %s unreachable for the Store's entries (%s)", replica.address, _reason(e))
+
+        async with self._lock:
+            if not self._listed:
+                await self._list()
+            await asyncio.gather(*(send(r) for r in self._replicas.values()))
+
+    async def _send(self, replica: Replica, seq: int, stored: list[bytes], removed: list[bytes]) -> None:
+        full = replica.resync
         request = kvmeta_pb2.PublishEventsRequest(
             instance_id=self.instance_id,
-            seq=self._seq,
+            seq=seq,
             stored_block_hashes=sorted(self.inventory) if full else stored,
             removed_block_hashes=[] if full else removed,
             full_inventory=full,
         )
         try:
-            response = await stub.PublishEvents(request, timeout=self.timeout_s)
+            response = await replica.stub.PublishEvents(request, timeout=self.timeout_s)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             task = asyncio.current_task()
             if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
                 raise  # our caller is being cancelled; a call cancelled under us (closed channel) is kvmeta's
-            log.warning("kvmeta unreachable (%s); will resend the full inventory", _reason(e))
-            self._resync = True
-            await self._reset()
+            log.warning("kvmeta at %s unreachable (%s); will resend the full inventory", replica.address, _reason(e))
+            replica.resync = True
             return
-        self._resync = response.resync_required
-        if self._resync:
-            await self._send([], [])
+        replica.resync = response.resync_required
+        if replica.resync:  # the gap is this replica's: the inventory goes to it alone, under the same number
+            await self._send(replica, seq, [], [])
 
-    async def _stub(self) -> kvmeta_pb2_grpc.KvMetaStub | None:
-        if self._channel is None:
-            instances = await asyncio.to_thread(self.registry.list, "kvmeta")
-            if not instances:
-                return None
-            self._channel = channel(next(iter(instances.values())).address)
-            self._resync = True
-        return kvmeta_pb2_grpc.KvMetaStub(self._channel)
-
-    async def _reset(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = None
+    async def _list(self) -> None:
+        """Follow the registered kvmeta instances (a channel to each new one; closed for those gone)."""
+        try:
+            listed = await asyncio.to_thread(self.registry.list, "kvmeta")
+        except ConnectionError as e:
+            log.warning("etcd unreachable listing kvmeta (%s); publishing to the replicas known", e)
+            return
+        self._listed = True
+        current = {instance_id: record.address for (_, instance_id), record in listed.items()}
+        for instance_id in list(self._replicas):
+            replica = self._replicas[instance_id]
+            if current.get(instance_id) != replica.address:
+                del self._replicas[instance_id]
+                await replica.channel.close()
+        for instance_id, address in current.items():
+            if instance_id not in self._replicas:
+                self._replicas[instance_id] = Replica(address, channel(address))
 
     async def close(self) -> None:
-        """Close the channel."""
-        await self._reset()
+        """Close the channels."""
+        for replica in self._replicas.values():
+            await replica.channel.close()
+        self._replicas.clear()
 
 
 def _reason(error: BaseException) -> str:

@@ -70,6 +70,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
         """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""
+        with self.worker.ledger.holding(request.request_id, request.booking):
+            return await self._prefill(request)
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         w, rid = self.worker, request.request_id
         prompt, params = list(request.prompt_token_ids), sampling_from_proto(request.sampling)
         if w.engine.moves_kv_itself:

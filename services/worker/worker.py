@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_port import EnginePort
 from services.worker.kv_events import KvEventPublisher
 from services.worker.kv_store import KVStore
+from services.worker.ledger import Ledger
 from services.worker.transfer import KVTransferEngine
 from services.worker.zmq_kv_events import ZmqKvEventPublisher
 
@@ -57,6 +58,7 @@ class Worker:
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server
     zmq_events: ZmqKvEventPublisher | None = None  # [engine] zmq_kv_events
     store: KVStore | None = None  # [store] enabled, on a prefill worker whose pool the worker moves itself
+    ledger: Ledger = field(default_factory=Ledger)  # the requests held, with their Conductors' bookings
 
     def record(self, address: str, metrics_address: str) -> WorkerRecord:
         """The etcd record describing this instance."""
@@ -173,7 +175,7 @@ def token_chunk(token_ids: list[int], finish_reason: str | None, num_cached_toke
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """``Worker.GetLoad``."""
+    """``Worker.GetLoad`` and ``Worker.WatchLoad``."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -190,3 +192,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_bytes_received=moved.bytes_received, kv_blocks_received=moved.blocks_received,
             engine_beats=beats, engine_heartbeat_age_s=age,
         )  # fmt: skip
+
+    async def WatchLoad(  # noqa: N802
+        self, request: worker_pb2.WatchLoadRequest, context: Any
+    ) -> AsyncIterator[worker_pb2.LoadReport]:
+        """The requests other Conductors booked here, at every change (services/worker/ledger.py)."""
+        async for report in self.worker.ledger.reports(request.conductor_id, request.period_s):
+            yield report

@@ -35,7 +35,11 @@ class WorkerEndpoint:
         admits = config.scheduler.reject_on_slo_violation and config.scheduler.worker_endpoint_admission
         config = replace(config, scheduler=replace(config.scheduler, reject_on_slo_violation=admits))
         self.view = ClusterView(config.engine.backend)
-        self.conductor = conductor.ConductorServicer(config, self.view, load_tokenizer(config.model.path))
+        # its own id: the cluster's Conductors and this one count each other's requests on this worker
+        self.conductor = conductor.ConductorServicer(
+            config, self.view, load_tokenizer(config.model.path), f"{worker.instance_id}-endpoint"
+        )
+        self._shared: asyncio.Task[None] | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -48,6 +52,7 @@ class WorkerEndpoint:
         self.view.attach(asyncio.get_running_loop())
         record = self.worker.record(address, self.worker.metrics_address)
         self.view.on_event(InstanceEvent("put", self.worker.role, self.worker.instance_id, record))
+        self._shared = asyncio.create_task(self.conductor.shared.run())
         config = self.worker.config
         port = free_port()
         local = replace(
@@ -56,7 +61,7 @@ class WorkerEndpoint:
             gateway=replace(config.gateway, host=config.cluster.host, port=port),
         )
         self._server = uvicorn.Server(
-            uvicorn.Config(create_app(local), host=config.cluster.host, port=port, log_level="warning")
+            uvicorn.Config(create_app(local, discover=False), host=config.cluster.host, port=port, log_level="warning")
         )
         # On a thread of its own: uvicorn installs signal handlers only on the main thread.
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
@@ -65,6 +70,8 @@ class WorkerEndpoint:
 
     def stop(self) -> None:
         """Stop the shim."""
+        if self._shared is not None:
+            self._shared.cancel()
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from fake_engine import FakeEngine
 
-from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.common.config import load_config
 from services.common.rpc import ErrorInterceptor
@@ -44,7 +44,8 @@ async def served():
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield SimpleNamespace(engine=engine, servicer=servicer, stub=decode_pb2_grpc.DecodeStub(channel))
+    yield SimpleNamespace(engine=engine, servicer=servicer, stub=decode_pb2_grpc.DecodeStub(channel),
+                          worker=worker_pb2_grpc.WorkerStub(channel))  # fmt: skip
     await channel.close()
     await server.stop(0)
 
@@ -125,3 +126,25 @@ async def test_a_reservation_is_held_through_the_prefill_the_conductor_planned(s
     assert held_until > 600  # a prefill queued for minutes still finds its reservation (30 s alone before)
     await _reserve(served.stub, "short")
     assert served.servicer.reservations["short"] - time.monotonic() <= 30
+
+
+async def test_the_load_stream_shows_each_conductor_the_other_conductors_requests_until_they_end(served):
+    booking = common_pb2.Booking(conductor_id="conductor-b", num_blocks=4, context_tokens=40, ttft_s=0.5)
+    request = decode_pb2.ReserveRequest(request_id="rb", num_prompt_tokens=len(PROMPT), sampling=_sampling(),
+                                        booking=booking)  # fmt: skip
+    await served.stub.Reserve(request)
+    a = served.worker.WatchLoad(worker_pb2.WatchLoadRequest(conductor_id="conductor-a", period_s=0.01))
+    b = served.worker.WatchLoad(worker_pb2.WatchLoadRequest(conductor_id="conductor-b", period_s=0.01))
+    seen_by_a, seen_by_b = await a.read(), await b.read()
+    assert [(i.request_id, i.booking.num_blocks, i.decode_age_s < 0) for i in seen_by_a.foreign] == [("rb", 4, True)]
+    assert (seen_by_b.own_requests, seen_by_b.own_blocks, len(seen_by_b.foreign)) == (1, 4, 0)
+    decoding = asyncio.ensure_future(_decode(served.stub, "rb", max_tokens=200))
+    report = await a.read()  # a change is reported at once
+    while report.foreign and report.foreign[0].decode_age_s < 0:
+        report = await a.read()
+    assert report.foreign and report.foreign[0].prefill_done
+    await decoding
+    while (report := await a.read()).foreign:  # it ended: gone from the next report
+        pass
+    a.cancel()
+    b.cancel()

@@ -91,6 +91,12 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
         store = InstanceRecord.from_json(json.loads(status.store_json))
         assert isinstance(store, StoreRecord), "the store record is not a store's"
         print(f"Mooncake Store: {store.instance_id}, master {store.master_address} (start {store.generation})")
+    shared = [i for i in status.instances if i.num_foreign or i.overcommit_requests_max or i.overcommit_blocks_max]
+    if shared:
+        print("other Conductors' requests, and the most a worker held beyond this Conductor's count (requests/blocks):")
+        for i in shared:
+            print(f"  {i.instance_id}: {i.num_foreign} now; over-commit at most {i.overcommit_requests_max}/"
+                  f"{i.overcommit_blocks_max}")  # fmt: skip
     if status.links:
         print("learned KV links (T_transfer = latency + bytes / bandwidth, from measured copies):")
         for link in status.links:

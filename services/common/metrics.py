@@ -2,16 +2,19 @@
 
 The series live in the default registry of each process: the Conductor's request series, the workers'
 KV-transfer series and a collector that reads the engine's live load at scrape time, the gateway's HTTP
-series. gRPC processes serve ``/metrics`` on their own port (published in their etcd record); the
-gateway serves it beside the REST API.
+series. gRPC processes serve ``/metrics`` on their own port (published in their etcd record), with
+``/health`` beside it: plain HTTP for probes that cannot speak the gRPC health service over mutual TLS
+(a Kubernetes kubelet); the gateway serves both beside the REST API.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
@@ -103,9 +106,39 @@ class EngineCollector(Collector):
         yield from (queue, blocks, queried, hits)
 
 
-def serve_metrics(host: str, port: int) -> str:
-    """Serve ``/metrics`` from a background thread; returns "host:port"."""
-    server, _ = start_http_server(port, addr=host)
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], serving: Callable[[], bool]) -> None:
+        super().__init__(address, _Handler)
+        self.serving = serving
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802
+        """``/health``: 200 while the process's gRPC health status is SERVING, else 503; any other path: metrics."""
+        if self.path.split("?", 1)[0] == "/health":
+            serving = self.server.serving()
+            code, kind = (200 if serving else 503), "application/json"
+            body = b'{"status": "serving"}' if serving else b'{"status": "not serving"}'
+        else:
+            code, kind, body = 200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        """Scrapes and probes are not worth a log line."""
+
+
+def serve_metrics(host: str, port: int, serving: Callable[[], bool] = lambda: True) -> str:
+    """Serve ``/metrics`` and ``/health`` (``serving()``) from a background thread; returns "host:port"."""
+    server = _MetricsServer((host, port), serving)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return f"{host}:{server.server_port}"
 
 

@@ -282,7 +282,7 @@ async def serve(
 
     The etcd record is ``record(address, metrics_address)``, by default the plain ``InstanceRecord``.
 
-    ``/metrics`` is served on ``metrics_port`` (0 = any free; None = not at all). ``on_bound(address)``
+    ``/metrics`` and ``/health`` are served on ``metrics_port`` (0 = any free; None = not at all). ``on_bound(address)``
     runs once the server listens, before the instance registers. ``live()`` is polled and drives the
     health status (SERVING while it holds). When ``fatal`` resolves (the engine died) the process leaves
     at once: NOT_SERVING, lease revoked, calls in flight get a short grace to end with their status.
@@ -314,7 +314,8 @@ async def serve(
     graceful = True
     try:
         await status.set(live() if live is not None else True)
-        metrics_address = serve_metrics(host, metrics_port) if metrics_port is not None else ""
+        serving = lambda: status.serving is True  # noqa: E731 - read from the metrics thread
+        metrics_address = serve_metrics(host, metrics_port, serving) if metrics_port is not None else ""
         if on_bound is not None:
             await on_bound(address)
         if registry is not None:

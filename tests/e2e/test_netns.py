@@ -22,12 +22,7 @@ carrier (this kernel has neither ``sch_netem`` nor iptables, so no packet-loss o
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,13 +32,13 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from helpers import grpc_generate, reference_tokens, wait_registered
+from netns import Net, Processes, skip_reason
 
 from cli.etcd_server import EmbeddedEtcd
 from kvconductor.v1 import conductor_pb2
 from services.common.net import free_port
 
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
-ROOT = Path(__file__).resolve().parents[2]
 KV_TIMEOUT_S = 3.0
 LINK_RATE = "32mbit"  # 4 MB/s: a 1,536-token prompt's 6 MiB of KV take about 1.5 s to cross
 LONG_PROMPT = 1536
@@ -58,122 +53,8 @@ CUT_AFTER_BYTES = 512 * 1024  # KV bytes seen on the link before the cut (the pr
 CUT_BOUND_S = KV_TIMEOUT_S + 10.0
 
 
-def _skip_reason() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces and veth pairs needs root"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"the `{tool}` command (iproute2) is missing"
-    return None
-
-
-if (_reason := _skip_reason()) is not None:
+if (_reason := skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
-
-
-def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    if check and result.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
-    return result
-
-
-class Net:
-    """This run's namespaces, veth pairs, hub address and throttles; `close` undoes all of it."""
-
-    def __init__(self) -> None:
-        pid = os.getpid()
-        self.tag = f"kv{pid}"  # interface names stay within 15 characters
-        self.octet = 100 + pid % 150
-        self.hub = f"10.{self.octet}.0.1"
-        self.hosts: dict[str, dict[str, str]] = {}
-        self._undo: list[tuple[str, ...]] = []
-
-    def setup(self, *hosts: str) -> None:
-        _sh("ip", "addr", "add", f"{self.hub}/32", "dev", "lo")
-        self._undo.append(("ip", "addr", "del", f"{self.hub}/32", "dev", "lo"))
-        for index, name in enumerate(hosts, start=1):
-            ns, outer, inner = f"{self.tag}-{name}", f"{self.tag}{name}r", f"{self.tag}{name}n"
-            gateway, address = f"10.{self.octet}.{index}.1", f"10.{self.octet}.{index}.2"
-            _sh("ip", "netns", "add", ns)
-            self._undo.append(("ip", "netns", "del", ns))
-            _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-            self._undo.append(("ip", "link", "del", outer))
-            _sh("ip", "link", "set", inner, "netns", ns)
-            _sh("ip", "addr", "add", f"{gateway}/24", "dev", outer)
-            _sh("ip", "link", "set", outer, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inner)
-            _sh("ip", "-n", ns, "link", "set", inner, "up")
-            _sh("ip", "-n", ns, "route", "add", "default", "via", gateway)
-            _sh("tc", "qdisc", "add", "dev", outer, "root", "tbf", "rate", LINK_RATE, "burst", "64kb",
-                "latency", "400ms")  # fmt: skip
-            self.hosts[name] = {"ns": ns, "outer": outer, "inner": inner, "address": address}
-
-    def tx_bytes(self, name: str) -> int:
-        """Bytes sent from the root namespace into host ``name`` (the KV direction)."""
-        return int(Path(f"/sys/class/net/{self.hosts[name]['outer']}/statistics/tx_bytes").read_text())
-
-    def cut(self, name: str) -> None:
-        h = self.hosts[name]
-        _sh("ip", "-n", h["ns"], "link", "set", h["inner"], "down")
-
-    def restore(self, name: str) -> None:
-        h = self.hosts[name]
-        _sh("ip", "-n", h["ns"], "link", "set", h["inner"], "up")
-        # Taking the device down dropped its routes; the default route must come back with it.
-        _sh("ip", "-n", h["ns"], "route", "replace", "default", "via", h["address"].rsplit(".", 1)[0] + ".1")
-
-    def close(self) -> list[str]:
-        errors = []
-        for command in reversed(self._undo):
-            result = _sh(*command, check=False)
-            if result.returncode != 0 and "Cannot find device" not in result.stderr:
-                errors.append(f"{' '.join(command)}: {result.stderr.strip()}")
-        self._undo.clear()
-        return errors
-
-
-class Processes:
-    """Processes this test started, stopped by pid (SIGTERM, wait, SIGKILL)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, role: str, instance_id: str, args: list[str], netns: str | None = None) -> None:
-        command = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *args]
-        if netns is not None:
-            command = ["ip", "netns", "exec", netns, *command]  # `ip netns exec` execs: the pid is the server's
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        with (self.log_dir / f"{instance_id}.log").open("ab") as log:
-            self.children[instance_id] = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
-            )
-
-    def log(self, instance_id: str) -> str:
-        return (self.log_dir / f"{instance_id}.log").read_text(errors="replace")
-
-    def stop(self, instance_id: str, timeout: float = 15.0) -> None:
-        process = self.children.pop(instance_id)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def stop_all(self) -> None:
-        for instance_id in reversed(list(self.children)):
-            self.stop(instance_id)
-
-    def check_alive(self) -> None:
-        for instance_id, process in self.children.items():
-            if process.poll() is not None:
-                raise RuntimeError(f"{instance_id} exited ({process.returncode}):\n{self.log(instance_id)[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +66,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
     etcd: EmbeddedEtcd | None = None
     try:
         try:
-            net.setup("b", "c")
+            net.setup("b", "c", rate=LINK_RATE)
         except RuntimeError as e:
             pytest.skip(f"cannot build the namespaces here: {e}")
         etcd = EmbeddedEtcd(run_dir=scratch / "etcd", host=net.hub)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
-from helpers import grpc_generate, kvmeta_matches, reference_tokens, running_cluster, spawn, wait_registered
+from helpers import cli, grpc_generate, kvmeta_matches, reference_tokens, running_cluster, spawn, wait_registered
 
 from engine.block_hash import prefix_block_hashes
 from engine.tokenizer import load_tokenizer
@@ -116,6 +116,7 @@ def test_both_conductors_serve_and_count_each_others_load_on_the_workers(replica
             assert instance.overcommit_requests_max <= 3, (name, instance)
             print(f"{name} on {instance.instance_id}: over-commit at most {instance.overcommit_requests_max} requests,"
                   f" {instance.overcommit_blocks_max} blocks")  # fmt: skip
+    assert "over-commit at most" in cli(replicated, "status").stdout
 
 
 def test_one_kvmeta_replica_killed_under_load_fails_no_request_and_prefix_routing_stays(replicated, model_dir):

@@ -10,10 +10,12 @@ disconnects cancels the gRPC call, and with it the work on the workers.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -289,9 +291,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _generate(gateway, body, request, prompt, chat=True)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    app.state.gateway.conductors.close()  # stop following etcd
+
+
 def create_app(config: Config, discover: bool = True) -> FastAPI:
     """The FastAPI application; ``discover``: every Conductor registered in etcd, not only scheduler_endpoint."""
-    app = FastAPI(title="kvconductor", description=__doc__)
+    app = FastAPI(title="kvconductor", description=__doc__, lifespan=_lifespan)
     app.state.gateway = Gateway(config, discover)
     if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the REST API is open to anyone who can reach it")

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return int(args.bench_main(args))
         config = load_config(args.config, args.set)
-        use_tls(Tls.from_files(config.cluster.tls_cert_file, config.cluster.tls_key_file, config.cluster.tls_ca_file))
+        c = config.cluster
+        use_tls(Tls.from_files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file, c.tls_server_name))
         use_api_key(config)
         if args.command == "up":
             from cli.launcher import up

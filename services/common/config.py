@@ -53,6 +53,10 @@ class ClusterConfig:
     tls_cert_file: str = ""  # PEM certificate of this process for gRPC between services (mutual TLS); "" = plaintext
     tls_key_file: str = ""  # its private key
     tls_ca_file: str = ""  # CA that signed every service's certificate
+    # The name a shared service certificate carries (its SAN), checked instead of each peer's address: one
+    # certificate (cert-manager's) for every process; "" = each certificate names its own process's address.
+    tls_server_name: str = ""
+    grpc_port: int = 0  # gRPC port of kvmeta, store and worker processes (0 = any free; fixed: one per host)
     etcd_ca_file: str = ""  # external etcd over TLS: its CA, and a client certificate/key if it asks for one
     etcd_cert_file: str = ""
     etcd_key_file: str = ""
@@ -67,6 +71,7 @@ class ClusterConfig:
         for endpoint in self.etcd_endpoints:
             _check(_is_host_port(endpoint), "[cluster] etcd_endpoints", f"{endpoint!r} is not host:port")
         _check(0 <= self.etcd_port <= 65535, "[cluster] etcd_port", "must be in 0..65535")
+        _check(0 <= self.grpc_port <= 65535, "[cluster] grpc_port", "must be in 0..65535")
         _check(2 <= self.lease_ttl_s <= 300, "[cluster] lease_ttl_s", "must be in 2..300 (etcd's minimum is 2)")
         _check(self.kv_transfer_engine == "mooncake", "[cluster] kv_transfer_engine", 'must be "mooncake"')
         _check(self.transfer_backend in ("tcp", "rdma"), "[cluster] transfer_backend", 'must be "tcp" or "rdma"')

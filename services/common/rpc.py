@@ -186,13 +186,19 @@ class Tls:
     cert: bytes
     key: bytes
     ca: bytes
+    server_name: str = ""  # checked in every server's certificate instead of the address dialled ("" = the address)
 
     @classmethod
-    def from_files(cls, cert_file: str, key_file: str, ca_file: str) -> Tls | None:
+    def from_files(cls, cert_file: str, key_file: str, ca_file: str, server_name: str = "") -> Tls | None:
         """None when no certificate is configured (plaintext)."""
         if not cert_file:
             return None
-        return cls(Path(cert_file).read_bytes(), Path(key_file).read_bytes(), Path(ca_file).read_bytes())
+        return cls(Path(cert_file).read_bytes(), Path(key_file).read_bytes(), Path(ca_file).read_bytes(), server_name)
+
+    @property
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """Channel options for the server name, if one is set."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     def server_credentials(self, mutual: bool = True) -> grpc.ServerCredentials:
         """Serve with our certificate; ``mutual``: require clients to present one the CA signed."""
@@ -239,13 +245,17 @@ def channel(address: str) -> grpc.aio.Channel:
     if _tls is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
     return grpc.aio.secure_channel(
-        address, _tls.channel_credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors
+        address, _tls.channel_credentials(), options=CHANNEL_OPTIONS + _tls.channel_options, interceptors=interceptors
     )
 
 
 def sync_channel(address: str, api_key: str | None = None) -> grpc.Channel:
     """A blocking channel (command-line tools), TLS when configured, sending ``api_key`` (None: the process's)."""
-    plain = grpc.insecure_channel(address) if _tls is None else grpc.secure_channel(address, _tls.channel_credentials())
+    plain = (
+        grpc.insecure_channel(address)
+        if _tls is None
+        else grpc.secure_channel(address, _tls.channel_credentials(), options=_tls.channel_options)
+    )
     return grpc.intercept_channel(plain, WithKey(api_key))
 
 

@@ -22,6 +22,6 @@ async def run(config: Config, instance_id: str) -> None:
 
     registry.watch(on_event)
     await serve(
-        services(servicer), config.cluster.host, 0, registry=registry, role="kvmeta",
+        services(servicer), config.cluster.host, config.cluster.grpc_port, registry=registry, role="kvmeta",
         instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
     )  # fmt: skip

@@ -77,8 +77,8 @@ async def run(config: Config, instance_id: str) -> None:
     supervisor = asyncio.ensure_future(service.supervise())
     try:
         await serve(
-            [], config.cluster.host, 0, registry=service.registry, role="store", instance_id=instance_id,
-            record=service.make_record, on_bound=service.start_master, live=service.live,
+            [], config.cluster.host, config.cluster.grpc_port, registry=service.registry, role="store",
+            instance_id=instance_id, record=service.make_record, on_bound=service.start_master, live=service.live,
             metrics_port=config.telemetry.metrics_port,
         )  # fmt: skip
     finally:

@@ -53,7 +53,7 @@ async def run(config: Config, role: str, instance_id: str) -> int:
         _install_fault_signals(worker)
     heartbeat_timeout = config.cluster.engine_heartbeat_timeout_s
     graceful = await serve(
-        services, config.cluster.host, 0, registry=registry, role=role, instance_id=instance_id,
+        services, config.cluster.host, config.cluster.grpc_port, registry=registry, role=role, instance_id=instance_id,
         record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
         on_bound=endpoint.start if endpoint is not None else None, grace_s=config.cluster.drain_grace_s,
         live=lambda: worker.engine.heartbeat()[1] < heartbeat_timeout, fatal=worker.engine.died,

@@ -28,6 +28,7 @@ def test_the_other_deploy_configs_load(path, backend):
         ({"decode": {"max_tbt_ms": "fast"}}, "[decode] max_tbt_ms: must be a number"),
         ({"cluster": {"transfer_backend": "udp"}}, "[cluster] transfer_backend"),
         ({"cluster": {"scheduler_endpoint": "nohost"}}, "[cluster] scheduler_endpoint"),
+        ({"cluster": {"grpc_port": 70000}}, "[cluster] grpc_port"),
         ({"decode": {"prefix_cache_block_size": 32}}, "[decode] prefix_cache_block_size"),
         ({"prefill": {"enable_prefix_caching": 1}}, "[prefill] enable_prefix_caching: must be true or false"),
         ({"prefill": {"node_count": 0}, "colocated": {"node_count": 0}}, "node_count"),

@@ -145,7 +145,7 @@ class Cluster:
     def _plan(self) -> list[tuple[str, str]]:
         c = self.config
         plan = [("kvmeta", "kvmeta-0"), *([("store", "store-0")] if c.store.enabled else [])]
-        plan += [("conductor", "conductor-0")]
+        plan += [("conductor", f"conductor-{i}") for i in range(c.scheduler.replicas)]
         plan += [("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if c.decode.node_count else 0)]
         plan += [("decode", f"decode-{i}") for i in range(c.decode.node_count if c.prefill.node_count else 0)]
         plan += [("colocated", f"colocated-{i}") for i in range(c.colocated.node_count)]
@@ -154,6 +154,9 @@ class Cluster:
     def _spawn(self, role: str, instance_id: str) -> None:
         log_path = self.run_dir / f"{instance_id}.log"
         args = [sys.executable, "-m", "cli.main", "serve", role, "--id", instance_id, *self._config_args()]
+        if role == "conductor" and instance_id != "conductor-0":  # the others on ports of their own
+            host = self.config.cluster.scheduler_endpoint.rpartition(":")[0]
+            args += ["--set", f'cluster.scheduler_endpoint="{host}:{free_port()}"']
         threads = str(getattr(self.config, role).torch_threads) if role in ("prefill", "decode", "colocated") else "1"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         with log_path.open("ab") as log:

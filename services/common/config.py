@@ -239,9 +239,12 @@ class SchedulerConfig:
     # A request that finds no worker for its deployment waits this long for one to register (again) before
     # it fails with UNAVAILABLE: on a starved machine leases can expire and come back a second later.
     worker_wait_s: float = 5.0
+    # Conductor processes `kvconductor up` starts (active-active; the first at [cluster] scheduler_endpoint)
+    replicas: int = 1
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
+        _check(1 <= self.replicas <= 16, "[scheduler] replicas", "must be in 1..16")
         _check(
             self.kv_cache_balancing_threshold > 0,
             "[scheduler] kv_cache_balancing_threshold",

@@ -1,8 +1,8 @@
 """Replicated control plane on a real cluster: two Conductors and two kvmeta replicas, one of each killed.
 
-One prefill and one decode worker, two Conductors (the gateway spreads requests over both, found in etcd),
-two kvmeta replicas (every worker publishes to both). The tests run in file order and consume the cluster:
-a kvmeta replica is killed under load, then a Conductor.
+One prefill and one decode worker, two Conductors (``[scheduler] replicas = 2``; the gateway spreads requests
+over both, found in etcd), two kvmeta replicas (every worker publishes to both). The tests run in file order
+and consume the cluster: a kvmeta replica is killed under load, then a Conductor.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from helpers import cli, grpc_generate, kvmeta_matches, reference_tokens, runnin
 from engine.block_hash import prefix_block_hashes
 from engine.tokenizer import load_tokenizer
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
-from services.common.net import free_port
+from services.common.registry import Registry
 
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
 MAX_TOKENS = 24
@@ -31,16 +31,13 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("replicas")
-    with running_cluster(root / "run", model_dir, "scheduler.kv_cache_balancing_threshold=inf",
+    with running_cluster(root / "run", model_dir, "scheduler.replicas=2", "scheduler.kv_cache_balancing_threshold=inf",
                          "scheduler.reject_on_slo_violation=false") as c:  # fmt: skip
-        second = f"127.0.0.1:{free_port()}"
-        c.extra = [
-            spawn(c, "conductor", "conductor-1", root, ["--set", f'cluster.scheduler_endpoint="{second}"']),
-            spawn(c, "kvmeta", "kvmeta-1", root),
-        ]
-        c.conductors = {"conductor-0": c.conductor, "conductor-1": second}
+        c.extra = [spawn(c, "kvmeta", "kvmeta-1", root)]
+        with Registry(c.manifest["etcd"], c.manifest["cluster"]) as registry:
+            c.conductors = {instance_id: r.address for (_, instance_id), r in registry.list("conductor").items()}
+        assert sorted(c.conductors) == ["conductor-0", "conductor-1"]  # `up` started both
         try:
-            wait_registered(c, "conductor", "conductor-1")
             wait_registered(c, "kvmeta", "kvmeta-1")
             yield c
         finally:

@@ -9,11 +9,16 @@
 
 Errors arrive as ``grpc.RpcError`` with the status the Conductor set (INVALID_ARGUMENT, NOT_FOUND,
 RESOURCE_EXHAUSTED with the rejection reason, UNAVAILABLE).
+
+Given several Conductor replicas (``ConductorClient(["host1:8998", "host2:8998"])``) the client spreads
+requests over them round-robin, and a stream whose Conductor fails goes on at the next one without a gap or
+a repeat (``services/common/failover.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -24,6 +29,7 @@ import grpc
 
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from services.common.config import Config
+from services.common.failover import FAILOVER, failover_request
 from services.common.rpc import sync_channel
 
 DEPLOYMENTS = {
@@ -49,11 +55,23 @@ class Completion:
 class ConductorClient:
     """Synchronous client of ``kvconductor.v1.Conductor``."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
-        """``api_key``: sent as ``authorization: Bearer KEY`` (None: ``KVCONDUCTOR_API_KEY`` or the config's first)."""
-        self.channel = sync_channel(address, api_key)
-        self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
+    def __init__(self, address: str | Sequence[str], timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        """Channels to ``address``: one Conductor, or several replicas.
+
+        ``api_key``: sent as ``authorization: Bearer KEY`` (None: ``KVCONDUCTOR_API_KEY`` or the config's first).
+        """
+        addresses = [address] if isinstance(address, str) else list(address)
+        if not addresses:
+            raise ValueError("ConductorClient needs at least one Conductor address")
+        self.channels = [sync_channel(a, api_key) for a in addresses]
+        self.stubs = [conductor_pb2_grpc.ConductorStub(c) for c in self.channels]
         self.timeout_s = timeout_s
+        self._turn = itertools.count()
+
+    def _order(self) -> list[conductor_pb2_grpc.ConductorStub]:
+        """The replicas for one call, starting at the one whose turn it is."""
+        start = next(self._turn) % len(self.stubs)
+        return self.stubs[start:] + self.stubs[:start]
 
     def generate(
         self,
@@ -84,7 +102,17 @@ class ConductorClient:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        yield from self.stub.Generate(request, timeout=self.timeout_s)
+        streamed: list[int] = []
+        stubs = self._order()
+        for failovers, stub in enumerate(stubs):
+            try:
+                for message in stub.Generate(failover_request(request, streamed, failovers), timeout=self.timeout_s):
+                    streamed += message.token_ids
+                    yield message
+                return
+            except grpc.RpcError as e:
+                if e.code() not in FAILOVER or failovers == len(stubs) - 1:
+                    raise
 
     def complete(self, prompt: str | Sequence[int], **kwargs: object) -> Completion:
         """Run one request to the end and gather its responses."""
@@ -103,12 +131,20 @@ class ConductorClient:
     def explain(self, request_id: str) -> conductor_pb2.Decision:
         """The recorded decision of a recent request."""
         request = conductor_pb2.ExplainDecisionRequest(request_id=request_id)
-        decision: conductor_pb2.Decision = self.stub.ExplainDecision(request, timeout=10)
-        return decision
+        stubs = self._order()
+        for i, stub in enumerate(stubs):  # the replica that decided knows it
+            try:
+                decision: conductor_pb2.Decision = stub.ExplainDecision(request, timeout=10)
+                return decision
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.NOT_FOUND, *FAILOVER) or i == len(stubs) - 1:
+                    raise
+        raise AssertionError("unreachable: the last replica's error is raised")
 
     def close(self) -> None:
-        """Close the channel."""
-        self.channel.close()
+        """Close the channels."""
+        for channel in self.channels:
+            channel.close()
 
     def __enter__(self) -> ConductorClient:
         return self

@@ -5,10 +5,8 @@ replicas round-robin (each replica counts the others' load through the workers, 
 shared_load.py, so the spread need not be clever). ``[cluster] scheduler_endpoint`` is the replica used
 while etcd lists none (and the only one of a worker's own endpoint, which does not discover).
 
-A call whose Conductor fails (the process died, its link broke: UNAVAILABLE, CANCELLED not asked for, or
-UNKNOWN) goes on at another replica: the same request with the tokens already streamed as
-``resume_token_ids`` and a count of ``failovers`` (the workers may still hold the failed attempt's id), so
-the client's stream continues without a gap or a repeat. A replica that failed is avoided for a while.
+A call whose Conductor fails goes on at another replica (``services/common/failover.py``); a replica that
+failed is avoided for a while.
 """
 
 from __future__ import annotations
@@ -24,11 +22,11 @@ import grpc
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
 from services.common.cluster_registry import cluster_registry
 from services.common.config import Config
+from services.common.failover import FAILOVER, failover_request
 from services.common.registry import InstanceEvent, Registry, RegistryWatch
 from services.common.rpc import channel
 
 log = logging.getLogger(__name__)
-FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
 AVOID_S = 5.0  # a replica that failed a call gets no new one for this long (unless it is the only one left)
 
 
@@ -114,12 +112,7 @@ class FailoverCall:
 
     def _next_call(self) -> None:
         self._address = self._left.pop(0)
-        request = self._request
-        if self._failovers:
-            request = conductor_pb2.GenerateRequest()
-            request.CopyFrom(self._request)
-            request.resume_token_ids.extend(self._streamed)
-            request.failovers = self._failovers
+        request = failover_request(self._request, self._streamed, self._failovers)
         self._call = conductor_pb2_grpc.ConductorStub(self._conductors.channel(self._address)).Generate(request)
 
     async def read(self) -> Any:

@@ -89,3 +89,14 @@ async def test_an_error_that_is_the_requests_own_is_not_retried_elsewhere(replic
         await _read_all(alone.generate(conductor_pb2.GenerateRequest(request_id="r", text="hi")))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     await server.stop(0)
+
+
+async def test_the_python_client_fails_over_between_replicas_too(replicas):
+    from cli.client import ConductorClient
+
+    conductors, dying, healthy, dying_address = replicas
+    healthy_address = next(a for a in conductors.addresses() if a != dying_address)
+    with ConductorClient([dying_address, healthy_address]) as client:  # the first call starts at the dying one
+        result = await asyncio.to_thread(client.complete, "hi", max_tokens=len(OUTPUT))
+    assert result.token_ids == OUTPUT
+    assert (list(healthy.requests[-1].resume_token_ids), healthy.requests[-1].failovers) == (OUTPUT[:4], 1)

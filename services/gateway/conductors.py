@@ -78,9 +78,21 @@ class Conductors:
             self._channels[address] = channel(address)
         return self._channels[address]
 
-    def stub(self) -> conductor_pb2_grpc.ConductorStub:
-        """A stub of the replica whose turn it is (for the unary calls: status, health)."""
-        return conductor_pb2_grpc.ConductorStub(self.channel(self.addresses()[0]))
+    async def status(self) -> conductor_pb2.GetStatusResponse:
+        """``GetStatus`` of the first replica that answers (the last one's error when none does)."""
+        addresses = self.addresses()
+        for i, address in enumerate(addresses):
+            try:
+                stub = conductor_pb2_grpc.ConductorStub(self.channel(address))
+                status: conductor_pb2.GetStatusResponse = await stub.GetStatus(
+                    conductor_pb2.GetStatusRequest(), timeout=2.0
+                )
+                return status
+            except grpc.aio.AioRpcError:
+                if i == len(addresses) - 1:
+                    raise
+                self.failed(address)
+        raise AssertionError("unreachable: addresses() is never empty")
 
     def failed(self, address: str) -> None:
         """A replica failed a call: avoid it for a while."""

@@ -266,7 +266,7 @@ async def get_load(request: Request) -> JSONResponse:
     """Requests in flight behind this endpoint (for routers' load-based policies)."""
     gateway = _gateway(request)
     try:
-        status = await gateway.conductors.stub().GetStatus(conductor_pb2.GetStatusRequest(), timeout=2.0)
+        status = await gateway.conductors.status()
     except grpc.aio.AioRpcError as e:
         return _grpc_error(e, "")
     running = sum(i.num_running + i.num_foreign for i in status.instances)

@@ -27,6 +27,7 @@ from services.common.registry import InstanceEvent, Registry, RegistryWatch
 from services.common.rpc import channel
 
 log = logging.getLogger(__name__)
+CHANNEL_CLOSE_GRACE_S = 120.0  # a departed replica's channel is closed this long after it left etcd
 AVOID_S = 5.0  # a replica that failed a call gets no new one for this long (unless it is the only one left)
 
 
@@ -58,10 +59,16 @@ class Conductors:
         self._loop.call_soon_threadsafe(self._apply, event)
 
     def _apply(self, event: InstanceEvent) -> None:
+        old = self._registered.pop(event.instance_id, None)
         if event.kind == "put" and event.record is not None:
             self._registered[event.instance_id] = event.record.address
-        else:
-            self._registered.pop(event.instance_id, None)
+        if old is not None and old not in self._registered.values() and old != self.fallback:
+            assert self._loop is not None  # gone (a replaced pod's address): close its channel after the calls on it
+            self._loop.call_later(CHANNEL_CLOSE_GRACE_S, self._close_unused, old)
+
+    def _close_unused(self, address: str) -> None:
+        if address not in self._registered.values() and (closing := self._channels.pop(address, None)) is not None:
+            asyncio.ensure_future(closing.close())
 
     def addresses(self) -> list[str]:
         """The replicas to use now, in this call's order of preference (round-robin, avoided ones last)."""

@@ -100,3 +100,16 @@ async def test_the_python_client_fails_over_between_replicas_too(replicas):
         result = await asyncio.to_thread(client.complete, "hi", max_tokens=len(OUTPUT))
     assert result.token_ids == OUTPUT
     assert (list(healthy.requests[-1].resume_token_ids), healthy.requests[-1].failovers) == (OUTPUT[:4], 1)
+
+
+async def test_a_departed_replicas_channel_is_closed_after_the_grace(replicas, monkeypatch):
+    import services.gateway.conductors as module
+
+    conductors, _, _, first = replicas
+    second = next(a for a in conductors.addresses() if a != first)  # (the first is scheduler_endpoint: kept)
+    monkeypatch.setattr(module, "CHANNEL_CLOSE_GRACE_S", 0.01)
+    conductors.channel(second)
+    conductors.on_event(InstanceEvent("delete", "conductor", "conductor-1", None))
+    await asyncio.sleep(0.2)
+    assert conductors.addresses() == [first]
+    assert second not in conductors._channels  # closed, not kept trying a dead pod's address

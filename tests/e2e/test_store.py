@@ -51,7 +51,20 @@ def _only_in_store(cluster, rng, length=600):
     for _ in range(2):  # two other long prompts push it out of the prefill worker's 64 blocks
         helpers.grpc_generate(cluster, [rng.randrange(256) for _ in range(900)], PD, max_tokens=1)
     _wait_for(cluster, hashes, first.prefill_instance, 0)
+    _wait_unpinned(cluster, first.prefill_instance)
     return prompt, hashes, cold
+
+
+def _wait_unpinned(cluster, instance_id, timeout=90):
+    """Wait until the worker's write-throughs are done: every block free or evictable again, none pinned.
+
+    A write-through pins the prompt's blocks while the Store reads them; one caught by a hanging master keeps
+    them until Mooncake gives up (60 s), which would starve the 64-block pool of the tests' next prompt.
+    """
+    deadline = time.monotonic() + timeout
+    while (load := helpers.worker_loads(cluster)[instance_id]).num_free_blocks < load.num_total_blocks:
+        assert time.monotonic() < deadline, f"{instance_id} still holds {load.num_total_blocks - load.num_free_blocks}"
+        time.sleep(0.1)
 
 
 def _outcome(cluster, request_id):

@@ -11,7 +11,11 @@ computed from them:
   past its predicted end does not make the ones behind it vanish: ``T_queue`` is never less than their
   predicted work (the late one's own remainder is unknown, counted as none).
 * the decode batch: each request's expected join time (assignment + predicted TTFT, or the real
-  start once token 0 arrived) and decode duration, as ``Resident``s.
+  start once token 0 arrived) and decode duration, as ``Resident``s. The duration starts as expected
+  output tokens x predicted TBT; as tokens stream out it becomes the time so far plus the tokens left at
+  the request's own measured pace. A prediction that runs short (a busy machine decodes slower than the
+  models say) would otherwise read a batch still decoding as gone, and the policy would pile new
+  requests onto the instance whose residents it wrongly thinks have left.
 * free KV blocks: the instance's blocks minus those its bookings reserve.
 """
 
@@ -43,6 +47,19 @@ class Booking:
     expected_decode_s: float = 0.0  # expected output tokens x predicted TBT
     decode_started: float | None = None
     new_tokens: int = 0  # prompt tokens its prefill computes (the rest is reused)
+
+    def progress(self, now: float, tokens_out: int, expected_tokens: int) -> None:
+        """``tokens_out`` output tokens are out by ``now`` of the ``expected_tokens`` it is now expected to produce.
+
+        The first one starts the decode; the tokens still expected take the request's measured pace so far.
+        """
+        if self.decode_started is None:
+            self.decode_started = now
+        if tokens_out < 2:
+            return
+        elapsed = now - self.decode_started
+        left = max(expected_tokens - tokens_out, 0)
+        self.expected_decode_s = elapsed + left * elapsed / (tokens_out - 1)
 
     def resident(self, now: float) -> Resident:
         """The request as part of a decode batch, relative to ``now``."""

@@ -4,8 +4,8 @@ Per request::
 
     decide(now, shape, prefix_lens, prefills, decodes, slo, colocated)  -> Plan or Rejection (Algorithm 1)
     book(now, request_id, plan, ...)        the prefill work on p, the decode footprint on d
-    prefill_done / decode_started / release as the request runs
-    observe_completion(tokens)              the mean output length that sizes future decode bookings
+    prefill_done / decode_started / decode_progress / release as the request runs
+    observe_completion(tokens)              the output lengths that size future decode bookings
 
 On the colocated path the decode instance is the prefill instance the policy chose, with room for the
 request, and the booking goes to that same instance (``Plan.decode_instance``).
@@ -14,14 +14,13 @@ request, and the booking goes to that same instance (``Plan.decode_instance``).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.booking import Booking
 from scheduler.cost_model import LinkModels
 from scheduler.instance import InstanceState
+from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, RequestShape, Slo
-
-OUTPUT_WEIGHT = 0.05  # of each completion in the moving average of output lengths
 
 
 @dataclass
@@ -30,7 +29,7 @@ class ConductorCore:
 
     policy: ConductorPolicy
     links: LinkModels
-    mean_output_tokens: float = 0.0  # moving average of completion lengths (0 = none seen yet)
+    output_lengths: OutputLengths = field(default_factory=OutputLengths)  # of the completions seen lately
 
     def decide(
         self,
@@ -57,19 +56,24 @@ class ConductorCore:
             store=store,
         )
 
-    def book(
-        self, now: float, request_id: Hashable, plan: Plan, shape: RequestShape, max_tokens: int,
-        p: InstanceState, d: InstanceState,
-    ) -> None:  # fmt: skip
-        """Book the request's prefill work on p and its decode footprint (blocks, batch slot) on d."""
-        expected_tokens = self.expected_output_tokens(max_tokens)
-        n, e = shape.num_prompt_tokens, plan.prefill
+    @staticmethod
+    def book(now: float, request_id: Hashable, plan: Plan, shape: RequestShape, p: InstanceState,
+             d: InstanceState) -> None:  # fmt: skip
+        """Book the request's prefill work on p and its decode footprint (blocks, batch slot) on d.
+
+        The decode footprint lasts ``shape.output_tokens`` (from ``expected_output_tokens``) x the plan's TBT.
+        """
+        n, e, expected_tokens = shape.num_prompt_tokens, plan.prefill, shape.output_tokens
         p.prefilling.add(request_id, Booking(now, e.t_prefill, n, 0, new_tokens=n - e.prefix_len))
         d.decoding.add(request_id, Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt))
 
-    def expected_output_tokens(self, max_tokens: int) -> int:
-        """Completion tokens a request allowed ``max_tokens`` is expected to produce (the moving average, capped)."""
-        return min(max_tokens, round(self.mean_output_tokens)) if self.mean_output_tokens else max_tokens
+    def expected_output_tokens(self, max_tokens: int, fixed: bool = False, produced: int = 0) -> int:
+        """Completion tokens a request allowed ``max_tokens`` that has ``produced`` is expected to produce.
+
+        ``fixed``: nothing can end it before ``max_tokens`` (``ignore_eos``, no stop tokens or strings), so
+        it produces exactly that many; otherwise what the completions seen lately say (``OutputLengths``).
+        """
+        return max_tokens if fixed else self.output_lengths.expected(max_tokens, produced)
 
     @staticmethod
     def prefill_done(p: InstanceState, request_id: Hashable, now: float) -> None:
@@ -83,6 +87,14 @@ class ConductorCore:
         if booking is not None and booking.decode_started is None:
             booking.decode_started = now
 
+    def decode_progress(
+        self, d: InstanceState, request_id: Hashable, now: float, tokens_out: int, max_tokens: int, fixed: bool
+    ) -> None:
+        """``tokens_out`` of the request's output tokens are out (the live Conductor, as they stream)."""
+        booking = d.decoding.items.get(request_id)
+        if booking is not None:
+            booking.progress(now, tokens_out, self.expected_output_tokens(max_tokens, fixed, tokens_out))
+
     @staticmethod
     def release(request_id: Hashable, now: float, *instances: InstanceState) -> None:
         """Forget the request on the instances (finished, failed or cancelled)."""
@@ -92,5 +104,4 @@ class ConductorCore:
 
     def observe_completion(self, completion_tokens: int) -> None:
         """A request finished with this many tokens."""
-        previous = self.mean_output_tokens or completion_tokens
-        self.mean_output_tokens = (1 - OUTPUT_WEIGHT) * previous + OUTPUT_WEIGHT * completion_tokens
+        self.output_lengths.observe(completion_tokens)

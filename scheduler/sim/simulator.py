@@ -245,13 +245,11 @@ class Simulator:
         job = PrefillJob(request, record, shape, now, e.prefix_len, e.copy_from, plan.decode_instance)
         decode = self._decode_by_id[plan.decode_instance]
         if self.config.colocated:  # the policy made the decode instance the prefill instance
-            self.core.book(now, record.request_id, plan, shape, request.num_output_tokens, decode.state, decode.state)
+            self.core.book(now, record.request_id, plan, shape, decode.state, decode.state)
             decode.submit(job)
             return
         p = self._prefill_index[e.instance_id]
-        self.core.book(
-            now, record.request_id, plan, shape, request.num_output_tokens, self.prefills[p].state, decode.state
-        )
+        self.core.book(now, record.request_id, plan, shape, self.prefills[p].state, decode.state)
         end = self.prefills[p].submit(job, now)
         if end is not None:
             self._push(end, _PREFILL_DONE, p)

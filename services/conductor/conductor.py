@@ -318,13 +318,17 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             num_blocks=request_blocks(len(job.tokens), max_tokens, block_size),
             block_size=block_size,
             bytes_per_block=record.kv_layout.bytes_per_block,
-            output_tokens=self.core.expected_output_tokens(max_tokens),
+            output_tokens=self.core.expected_output_tokens(max_tokens, job.fixed_length),
         )
 
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
         """Book the request's prefill work on p and its decode footprint on d."""
         shape = self._shape(job, p.record)
-        self.core.book(time.monotonic(), job.request_id, plan, shape, job.attempt_sampling.max_tokens, p.state, d.state)
+        self.core.book(time.monotonic(), job.request_id, plan, shape, p.state, d.state)
+
+    def _progress(self, job: Job, d: InstanceView, tokens_out: int, max_tokens: int) -> None:
+        """``tokens_out`` of this attempt's ``max_tokens`` are out of d: its booking ends at their measured pace."""
+        self.core.decode_progress(d.state, job.request_id, time.monotonic(), tokens_out, max_tokens, job.fixed_length)
 
     def _release(self, job: Job, *instances: InstanceView) -> None:
         self.core.release(job.request_id, time.monotonic(), *(v.state for v in instances))
@@ -401,7 +405,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     )
                 )
                 try:
+                    out = 1  # the prefill's first token
                     async for chunk in self._watch(call, d, "decode", plan.tbt, plan.tbt):
+                        out += len(chunk.token_ids)
+                        self._progress(job, d, out, sampling.max_tokens)
                         yield Piece(list(chunk.token_ids), chunk.finish_reason)
                     decoded = True
                 finally:
@@ -576,9 +583,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         with blame(c.instance_id):
             call = c.colocated_stub.Generate(request)
             try:
+                out = 0
                 async for chunk in self._watch(call, c, "colocated", plan.prefill.ttft, plan.tbt):
+                    out += len(chunk.token_ids)
                     self.core.prefill_done(c.state, job.request_id, time.monotonic())
-                    self.core.decode_started(c.state, job.request_id, time.monotonic())
+                    self._progress(job, c, out, request.sampling.max_tokens)
                     yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
             finally:
                 call.cancel()

@@ -58,6 +58,11 @@ class Job:
         return base if self.attempt <= 1 else f"{base}.{self.attempt}"
 
     @property
+    def fixed_length(self) -> bool:
+        """Nothing but ``max_tokens`` can end it: ``ignore_eos``, no stop token ids, no stop strings."""
+        return self.sampling.ignore_eos and not self.sampling.stop_token_ids and not self.stop
+
+    @property
     def attempt_sampling(self) -> common_pb2.SamplingParams:
         """The sampling parameters of the current attempt (max_tokens less what was streamed)."""
         sampling = common_pb2.SamplingParams()

@@ -59,9 +59,9 @@ class Recorder:
         self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, store, outcome))
         return outcome
 
-    def book(self, now, rid, plan, shape, max_tokens, p, d):
-        self.calls.append(("book", now, rid, plan, shape, max_tokens, p.instance_id, d.instance_id))
-        self.core.book(now, rid, plan, shape, max_tokens, p, d)
+    def book(self, now, rid, plan, shape, p, d):
+        self.calls.append(("book", now, rid, plan, shape, p.instance_id, d.instance_id))
+        self.core.book(now, rid, plan, shape, p, d)
 
     def prefill_done(self, p, rid, now):
         self.calls.append(("prefill_done", p.instance_id, rid, now))
@@ -133,8 +133,8 @@ def test_the_live_core_replays_the_simulators_decisions(colocated):
             replayed = core.decide(now, shape, prefix, prefills, decodes, slo, coloc, store)
             assert _same(replayed, outcome), (now, replayed, outcome)
         elif kind == "book":
-            now, rid, plan, shape, max_tokens, p, d = args
-            core.book(now, rid, plan, shape, max_tokens, live[p], live[d])
+            now, rid, plan, shape, p, d = args
+            core.book(now, rid, plan, shape, live[p], live[d])
         elif kind in ("prefill_done", "decode_started"):
             instance, rid, now = args
             getattr(core, kind)(live[instance], rid, now)

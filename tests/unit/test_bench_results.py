@@ -106,27 +106,34 @@ def test_compare_readme_prose_numbers_come_from_the_json():
     tpot = {k: v["tpot_ms"]["median"] for k, v in table.items()}
     goodput = {k: v["goodput"] for k, v in table.items()}
     runs = [json.loads((folder / f"{name}.json").read_text())["contenders"] for name in ("routers", "routers-run2")]
-    at4 = [{c["label"]: c["levels"]["c=4"]["summary"] for c in r.values()} for r in runs]
-    ours = [r.pop("conductor (kvcache_centric)") for r in at4]
-    best = [max((s["goodput"], label) for label, s in r.items()) for r in at4]
+
+    def level(name):
+        at = [{c["label"]: c["levels"][name]["summary"] for c in r.values()} for r in runs]
+        ours = [r.pop("conductor (kvcache_centric)") for r in at]
+        return at, ours, [max((s["goodput"], label) for label, s in r.items()) for r in at]
+
+    at4, ours, best = level("c=4")
+    spread = {label: abs(at4[0][label]["goodput"] - at4[1][label]["goodput"]) for label in at4[0]}
+    gap = [b[0] - o["goodput"] for b, o in zip(best, ours, strict=True)]
     peer_tpot = sorted(s["tpot_ms"]["median"] for r in at4 for s in r.values())
-    ttft = [o["ttft_ms"]["median"] for o in ours]
-    peer_ttft = sorted(s["ttft_ms"]["median"] for r in at4 for s in r.values())
+    _, ours1, best1 = level("c=1")
     claims = [
         f"goodput is {ours[0]['goodput']:.2f} req/s in the first run and {ours[1]['goodput']:.2f} req/s in the second",
         f"the best peer reached {best[0][0]:.2f} req/s ({best[0][1]}) and "
         f"{best[1][0]:.2f} req/s ({best[1][1]}): {ours[0]['goodput'] / best[0][0]:.2f}x and "
         f"{ours[1]['goodput'] / best[1][0]:.2f}x",
-        f"reuses {ours[0]['prefix_cache_hit_rate']:.1%} of the prompt tokens",
-        f"its TTFT p50 ({ttft[0]:.1f} ms and {ttft[1]:.1f} ms) is inside the peers' range "
-        f"({peer_ttft[0]:.1f}-{peer_ttft[-1]:.1f} ms)",
-        f"TPOT: {ours[0]['tpot_ms']['median']:.2f} ms p50 and {ours[1]['tpot_ms']['median']:.2f} ms, the highest in "
-        f"both runs, against {peer_tpot[0]:.2f}-{peer_tpot[-1]:.2f} ms for the peers",
+        f"the first run's gap ({gap[0]:.2f} req/s) is smaller than the best peer's own change between the two runs "
+        f"({spread[best[0][1]]:.2f} req/s; sglang-router cache_aware moved {spread['sglang-router cache_aware']:.2f})",
+        f"{ours1[0]['goodput']:.2f} and {ours1[1]['goodput']:.2f} req/s against {best1[0][0]:.2f} and "
+        f"{best1[1][0]:.2f} for the best peer ({best1[0][1]})",
+        f"lowest TTFT p50 ({ours1[0]['ttft_ms']['median']:.1f} and {ours1[1]['ttft_ms']['median']:.1f} ms)",
+        f"reuses {ours[0]['prefix_cache_hit_rate']:.1%} of the prompt tokens at c=4",
+        f"its TPOT p50 ({ours[0]['tpot_ms']['median']:.2f} and {ours[1]['tpot_ms']['median']:.2f} ms) is inside the "
+        f"peers' range ({peer_tpot[0]:.2f}-{peer_tpot[-1]:.2f} ms)",
     ]
-    for run, our in zip(at4, ours, strict=True):
-        assert our["goodput"] < min(s["goodput"] for s in run.values())
-        assert our["tpot_ms"]["median"] > max(s["tpot_ms"]["median"] for s in run.values())
-    assert peer_ttft[0] < min(ttft) and max(ttft) < peer_ttft[-1]
+    # issue 13's bar: the Conductor does not trail the best router at c=4 by more than the routers' own noise
+    assert all(g <= spread[b[1]] for g, b in zip(gap, best, strict=True)), (gap, best, spread)
+    assert all(o["goodput"] > b[0] for o, b in zip(ours1, best1, strict=True))  # "first in both runs" at c=1
     claims += [
         f"TTFT p50 {ttft_at['colocated c=1']:.1f} ms colocated vs {ttft_at['disaggregated c=1']:.1f} ms disaggregated",
         f"TPOT p50 {tpot['colocated c=1']:.2f} vs {tpot['disaggregated c=1']:.2f} ms",

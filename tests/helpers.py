@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import httpx
 
 from cli import local_cluster
 from cli.local_cluster import LocalCluster
@@ -71,6 +72,48 @@ def grpc_generate(cluster, prompt_ids, deployment, max_tokens=MAX_TOKENS, reques
             decision = decision or (message.decision if message.HasField("decision") else None)
             usage = message.usage if message.HasField("usage") else usage
     return tokens, decision, usage
+
+
+def streamed_completion(rest: str, prompt: list[int], max_tokens: int, streaming=None, timeout: float = 120.0):
+    """A greedy streamed completion of ``max_tokens`` through the gateway's REST API at ``rest``: its text, or the
+    exception or HTTP error that ended it. ``streaming`` (a threading.Event) is set once text arrives."""
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    text = ""
+    try:
+        with httpx.stream("POST", f"{rest}/completions", json=body, timeout=timeout) as reply:
+            if reply.status_code != 200:
+                return RuntimeError(f"HTTP {reply.status_code}: {reply.read().decode()}")
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = httpx.Response(200, content=line.removeprefix("data: ")).json()
+                if "error" in chunk:
+                    return RuntimeError(str(chunk["error"]))
+                text += chunk["choices"][0]["text"]
+                if streaming is not None and text:
+                    streaming.set()
+    except httpx.HTTPError as e:
+        return e
+    return text
+
+
+def make_pki(directory: Path, common_name: str, subject_alt_names: str) -> Path:
+    """A test CA (``ca.pem``, ``ca.key``) and one certificate signed by it (``node.pem``, ``node.key``) for
+    ``subject_alt_names`` (openssl's syntax: ``IP:127.0.0.1,DNS:localhost``), good for serving and as a client."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=kvconductor test CA")  # fmt: skip
+    openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", f"/CN={common_name}"
+    )
+    (directory / "ext.cnf").write_text(f"subjectAltName={subject_alt_names}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+    return directory
 
 
 def cli(cluster, *args):

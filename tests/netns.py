@@ -2,7 +2,7 @@
 
 The root namespace is the hub (an address on lo, so it stays up whichever link is cut); names and subnets are
 unique per run (from the pid) and ``Net.close`` removes them. ``Processes`` runs ``kvconductor serve`` in a
-namespace (``ip netns exec``) and stops what it started.
+namespace (``ip netns exec``) and stops what it started; ``hosts`` puts the two together with an etcd on the hub.
 """
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import wait_registered
+
+from cli.etcd_server import EmbeddedEtcd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,3 +140,40 @@ class Processes:
         for instance_id, process in self.children.items():
             if process.poll() is not None:
                 raise RuntimeError(f"{instance_id} exited ({process.returncode}):\n{self.log(instance_id)[-3000:]}")
+
+    def wait_registered(self, etcd_endpoint: str, servers: list[tuple[str, str]], timeout: float = 180.0) -> None:
+        """Wait until every (role, instance_id) is registered in etcd; fail at once if a process exited."""
+        registry = SimpleNamespace(manifest={"etcd": [etcd_endpoint], "cluster": "local"})
+        deadline = time.monotonic() + timeout
+        for role, instance_id in servers:
+            while True:
+                self.check_alive()
+                try:
+                    wait_registered(registry, role, instance_id, timeout=2)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+
+
+@contextmanager
+def hosts(scratch: Path, *names: str, rate: str = "") -> Iterator[tuple[Net, Processes, EmbeddedEtcd]]:
+    """Namespaces ``names`` linked to the hub, an etcd on the hub and the test's processes, all torn down whatever
+    happens (namespaces, links and addresses checked gone); the test is skipped where namespaces cannot be built."""
+    net = Net()
+    processes = Processes(scratch)
+    etcd: EmbeddedEtcd | None = None
+    try:
+        try:
+            net.setup(*names, rate=rate)
+        except RuntimeError as e:
+            pytest.skip(f"cannot build the namespaces here: {e}")
+        etcd = EmbeddedEtcd(run_dir=scratch / "etcd", host=net.hub)
+        etcd.start()
+        yield net, processes, etcd
+    finally:
+        processes.stop_all()
+        if etcd is not None:
+            etcd.close()
+        errors = net.close()
+        assert not errors, f"teardown left network state behind: {errors}"

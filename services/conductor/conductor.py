@@ -122,6 +122,23 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"no decision recorded for request {request.request_id!r}")
         return decision
 
+    def _instance_status(self, v: InstanceView, now: float) -> conductor_pb2.InstanceStatus:
+        """One instance as GetStatus reports it: its record, this Conductor's bookings there and the others'."""
+        overcommit = self.shared.overcommit.get(v.instance_id, Overcommit())
+        return conductor_pb2.InstanceStatus(
+            role=v.role,
+            instance_id=v.instance_id,
+            address=v.record.address,
+            num_blocks=v.record.num_blocks,
+            num_running=len(v.state.decoding.items.keys() | v.state.prefilling.items.keys()),
+            t_queue_ms=v.state.t_queue(now) * 1e3,
+            record_json=json.dumps(v.record.to_json(), sort_keys=True),
+            scheduling=self.view.scheduling(v.instance_id, now),
+            num_foreign=len(v.state.foreign_decoding.items.keys() | v.state.foreign_prefilling.items.keys()),
+            overcommit_requests_max=overcommit.requests,
+            overcommit_blocks_max=overcommit.blocks,
+        )
+
     async def GetStatus(  # noqa: N802
         self, request: conductor_pb2.GetStatusRequest, context: Any
     ) -> conductor_pb2.GetStatusResponse:
@@ -129,19 +146,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         now = time.monotonic()
         window = request.window_s if request.window_s > 0 else DEFAULT_WINDOW_S
         instances = [
-            conductor_pb2.InstanceStatus(
-                role=v.role,
-                instance_id=v.instance_id,
-                address=v.record.address,
-                num_blocks=v.record.num_blocks,
-                num_running=len(v.state.decoding.items.keys() | v.state.prefilling.items.keys()),
-                t_queue_ms=v.state.t_queue(now) * 1e3,
-                record_json=json.dumps(v.record.to_json(), sort_keys=True),
-                scheduling=self.view.scheduling(v.instance_id, now),
-                num_foreign=len(v.state.foreign_decoding.items.keys() | v.state.foreign_prefilling.items.keys()),
-                overcommit_requests_max=self.shared.overcommit.get(v.instance_id, Overcommit()).requests,
-                overcommit_blocks_max=self.shared.overcommit.get(v.instance_id, Overcommit()).blocks,
-            )
+            self._instance_status(v, now)
             for v in sorted(self.view.instances.values(), key=lambda v: (v.role, v.instance_id))
         ]
         return conductor_pb2.GetStatusResponse(

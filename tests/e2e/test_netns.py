@@ -32,9 +32,9 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from helpers import grpc_generate, reference_tokens, wait_registered
-from netns import Net, Processes, skip_reason
+from netns import hosts as netns_hosts
+from netns import skip_reason
 
-from cli.etcd_server import EmbeddedEtcd
 from kvconductor.v1 import conductor_pb2
 from services.common.net import free_port
 
@@ -61,16 +61,7 @@ if (_reason := skip_reason()) is not None:
 def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[SimpleNamespace]:
     """The three-host cluster; torn down (processes, etcd, namespaces, links, address) whatever happens."""
     scratch = tmp_path_factory.mktemp("netns")
-    net = Net()
-    processes = Processes(scratch)
-    etcd: EmbeddedEtcd | None = None
-    try:
-        try:
-            net.setup("b", "c", rate=LINK_RATE)
-        except RuntimeError as e:
-            pytest.skip(f"cannot build the namespaces here: {e}")
-        etcd = EmbeddedEtcd(run_dir=scratch / "etcd", host=net.hub)
-        etcd.start()
+    with netns_hosts(scratch, "b", "c", rate=LINK_RATE) as (net, processes, etcd):
         conductor = f"{net.hub}:{free_port()}"
         common = [
             "--config", "deploy/config.toml", "--set", f'model.path="{model_dir}"', "--set", 'model.name="tiny-llama"',
@@ -91,27 +82,13 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
         processes.start("prefill", "prefill-0", on(net.hub))
         for name in ("b", "c"):
             processes.start("decode", f"decode-{name}", on(net.hosts[name]["address"]), net.hosts[name]["ns"])
+        processes.wait_registered(etcd.endpoint, [("kvmeta", "kvmeta-0"), ("conductor", "conductor-0"),
+                                                  ("prefill", "prefill-0"), ("decode", "decode-b"),
+                                                  ("decode", "decode-c")])  # fmt: skip
         cluster = SimpleNamespace(conductor=conductor, manifest={"etcd": [etcd.endpoint], "cluster": "local"})
-        deadline = time.monotonic() + 180
-        for role, instance_id in [("kvmeta", "kvmeta-0"), ("conductor", "conductor-0"), ("prefill", "prefill-0"),
-                                  ("decode", "decode-b"), ("decode", "decode-c")]:  # fmt: skip
-            while True:
-                processes.check_alive()
-                try:
-                    wait_registered(cluster, role, instance_id, timeout=2)
-                    break
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise
         yield SimpleNamespace(
             net=net, processes=processes, cluster=cluster, common=common, on=on, model_dir=model_dir, scratch=scratch
         )
-    finally:
-        processes.stop_all()
-        if etcd is not None:
-            etcd.close()
-        errors = net.close()
-        assert not errors, f"teardown left network state behind: {errors}"
 
 
 def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:

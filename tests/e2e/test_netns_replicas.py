@@ -25,10 +25,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from helpers import reference_tokens, wait_registered
-from netns import Net, Processes, skip_reason
+from helpers import reference_tokens, streamed_completion
+from netns import hosts as netns_hosts
+from netns import skip_reason
 
-from cli.etcd_server import EmbeddedEtcd
 from engine.tokenizer import load_tokenizer
 from services.common.net import free_port
 
@@ -44,16 +44,7 @@ CUT_BOUND_S = 60
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[SimpleNamespace]:
     scratch = tmp_path_factory.mktemp("netns-replicas")
-    net = Net()
-    processes = Processes(scratch)
-    etcd: EmbeddedEtcd | None = None
-    try:
-        try:
-            net.setup("b", "c")
-        except RuntimeError as e:
-            pytest.skip(f"cannot build the namespaces here: {e}")
-        etcd = EmbeddedEtcd(run_dir=scratch / "etcd", host=net.hub)
-        etcd.start()
+    with netns_hosts(scratch, "b", "c") as (net, processes, etcd):
         b, c = net.hosts["b"]["address"], net.hosts["c"]["address"]
         gateway_port = free_port()
         common = [
@@ -82,49 +73,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         for role, instance_id, args, ns in plan:
             processes.start(role, instance_id, args, ns)
         processes.start("gateway", "gateway-0", on(net.hub, first))  # it finds conductor-1 in etcd
-        registry = SimpleNamespace(manifest={"etcd": [etcd.endpoint], "cluster": "local"})
-        deadline = time.monotonic() + 240
-        for role, instance_id, _, _ in plan:
-            while True:
-                processes.check_alive()
-                try:
-                    wait_registered(registry, role, instance_id, timeout=2)
-                    break
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise
+        processes.wait_registered(etcd.endpoint, [(role, instance_id) for role, instance_id, _, _ in plan], 240)
         rest = f"http://{net.hub}:{gateway_port}/v1"
+        deadline = time.monotonic() + 120
         while httpx.get(rest.removesuffix("/v1") + "/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the gateway never became healthy"
             time.sleep(0.2)
         yield SimpleNamespace(net=net, processes=processes, rest=rest, model_dir=model_dir)
-    finally:
-        processes.stop_all()
-        if etcd is not None:
-            etcd.close()
-        errors = net.close()
-        assert not errors, f"teardown left network state behind: {errors}"
-
-
-def _completion(rest: str, prompt: list[int], streaming: threading.Event) -> str | BaseException:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    text = ""
-    try:
-        with httpx.stream("POST", f"{rest}/completions", json=body, timeout=CUT_BOUND_S + 60) as reply:
-            if reply.status_code != 200:
-                return RuntimeError(f"HTTP {reply.status_code}: {reply.read().decode()}")
-            for line in reply.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = httpx.Response(200, content=line.removeprefix("data: ")).json()
-                if "error" in chunk:
-                    return RuntimeError(str(chunk["error"]))
-                text += chunk["choices"][0]["text"]
-                streaming.set()
-    except httpx.HTTPError as e:
-        return e
-    return text
 
 
 def test_cutting_a_host_with_a_conductor_and_workers_under_load_loses_no_request(cluster):
@@ -135,7 +90,9 @@ def test_cutting_a_host_with_a_conductor_and_workers_under_load_loses_no_request
                 for t in reference_tokens(cluster.model_dir, prompts, MAX_TOKENS)]  # fmt: skip
     streaming = threading.Event()
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_completion, cluster.rest, p, streaming) for p in prompts]
+        futures = [
+            pool.submit(streamed_completion, cluster.rest, p, MAX_TOKENS, streaming, CUT_BOUND_S + 60) for p in prompts
+        ]
         assert streaming.wait(120), "no request streamed"
         cluster.net.cut("b")
         cut_at = time.monotonic()

@@ -15,9 +15,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import pytest
-from helpers import cli, grpc_generate, kvmeta_matches, reference_tokens, running_cluster, spawn, wait_registered
+from helpers import (
+    cli,
+    grpc_generate,
+    kvmeta_matches,
+    reference_tokens,
+    running_cluster,
+    spawn,
+    streamed_completion,
+    wait_registered,
+)
 
 from engine.block_hash import prefix_block_hashes
 from engine.tokenizer import load_tokenizer
@@ -56,29 +64,6 @@ def _status(address: str) -> conductor_pb2.GetStatusResponse:
         return conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
 
 
-def _rest_completion(cluster, prompt: list[int], seen: threading.Event | None = None) -> str | BaseException:
-    """A greedy streamed completion through the gateway: its text, or what went wrong."""
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    text = ""
-    try:
-        with httpx.stream("POST", f"{cluster.rest}/completions", json=body, timeout=120) as reply:
-            if reply.status_code != 200:
-                return RuntimeError(f"HTTP {reply.status_code}: {reply.read().decode()}")
-            for line in reply.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = httpx.Response(200, content=line.removeprefix("data: ")).json()
-                if "error" in chunk:
-                    return RuntimeError(str(chunk["error"]))
-                text += chunk["choices"][0]["text"]
-                if seen is not None and text:
-                    seen.set()
-    except httpx.HTTPError as e:
-        return e
-    return text
-
-
 def _expected_texts(model_dir, prompts) -> list[str]:
     tokenizer = load_tokenizer(str(model_dir))
     return [tokenizer.decode(t, skip_special_tokens=True) for t in reference_tokens(model_dir, prompts, MAX_TOKENS)]
@@ -100,7 +85,7 @@ def test_both_conductors_serve_and_count_each_others_load_on_the_workers(replica
     watcher = threading.Thread(target=watch)
     watcher.start()
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda p: _rest_completion(replicated, p), prompts))
+        results = list(pool.map(lambda p: streamed_completion(replicated.rest, p, MAX_TOKENS), prompts))
     done.set()
     watcher.join()
     assert results == expected
@@ -147,10 +132,10 @@ def test_kill_9_of_one_conductor_under_load_loses_no_request_and_new_ones_flow_t
     expected = _expected_texts(model_dir, prompts)
     streaming = threading.Event()
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_rest_completion, replicated, p, streaming) for p in prompts]
+        futures = [pool.submit(streamed_completion, replicated.rest, p, MAX_TOKENS, streaming) for p in prompts]
         assert streaming.wait(60), "no request streamed"
         os.kill(replicated.pid("conductor-0"), signal.SIGKILL)
         results = [f.result() for f in futures]
     assert results == expected  # the requests conductor-0 was streaming went on at conductor-1, no gap, no repeat
     after = _prompts(59, 3)
-    assert [_rest_completion(replicated, p) for p in after] == _expected_texts(model_dir, after)
+    assert [streamed_completion(replicated.rest, p, MAX_TOKENS) for p in after] == _expected_texts(model_dir, after)

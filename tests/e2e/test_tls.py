@@ -7,7 +7,6 @@ kvmeta) takes only callers holding a certificate the CA signed.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import running_cluster
+from helpers import make_pki, running_cluster
 
 from kvconductor.v1 import (
     common_pb2,
@@ -32,22 +31,10 @@ from kvconductor.v1 import (
 KEY = "tls-test-key"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     """A CA and one certificate for 127.0.0.1, good for serving and as a client."""
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=kvconductor test CA", cwd=d)  # fmt: skip
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node",
-             cwd=d)  # fmt: skip
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)  # fmt: skip
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), "node", "IP:127.0.0.1,DNS:localhost")
 
 
 @pytest.fixture(scope="module")

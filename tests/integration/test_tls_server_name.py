@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from helpers import make_pki
 
 from services.common import rpc
 
@@ -15,22 +15,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 NAME = "kvconductor.internal"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def shared_certificate(tmp_path_factory) -> Path:
     """A CA and one certificate naming only NAME, for serving and as a client, as cert-manager would issue it."""
-    d = tmp_path_factory.mktemp("shared-pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=test CA", cwd=d)  # fmt: skip
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "svc.key", "-out", "svc.csr", "-subj", f"/CN={NAME}",
-             cwd=d)  # fmt: skip
-    (d / "ext.cnf").write_text(f"subjectAltName=DNS:{NAME}\nextendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("x509", "-req", "-in", "svc.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "svc.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)  # fmt: skip
-    return d
+    return make_pki(tmp_path_factory.mktemp("shared-pki"), NAME, f"DNS:{NAME}")
 
 
 async def _check(address: str, tls: rpc.Tls) -> health_pb2.HealthCheckResponse:
@@ -44,7 +32,7 @@ async def _check(address: str, tls: rpc.Tls) -> health_pb2.HealthCheckResponse:
 
 async def test_a_shared_certificate_verifies_with_the_server_name_and_not_without(shared_certificate):
     d = shared_certificate
-    tls = rpc.Tls.from_files(str(d / "svc.pem"), str(d / "svc.key"), str(d / "ca.pem"), NAME)
+    tls = rpc.Tls.from_files(str(d / "node.pem"), str(d / "node.key"), str(d / "ca.pem"), NAME)
     assert tls is not None
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)

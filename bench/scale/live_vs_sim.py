@@ -7,7 +7,8 @@
 Both sides get the same requests (the trace's first ``--limit``, outputs capped at
 ``--max-output-tokens`` so that 16 workers' token streams fit on two cores; prompts at full length),
 the same analytic A800 profile (``deploy/emulated.toml``: the emulated engine waits what the simulator
-charges, and its transfers take the profile's link time) and the same instance counts, with SLO
+charges, and its transfers take the profile's link time), the same instance counts and the live engines'
+KV block as the grain of prefix reuse inside a partly shared trace block, with SLO
 admission off (every request is served, as ``bench.sim.run`` does by default). Per policy: mean and
 p50/p90 TTFT and the prefix hit rate (reused prompt tokens / prompt tokens) on each side, and the
 live/sim ratio; for each live cluster, every process's RSS at the end of the replay and its CPU use (cores)
@@ -33,6 +34,7 @@ from bench.soak.probe import cluster_processes, cpu_seconds, rss_kib
 from cli.local_cluster import TINY_MODEL, local_cluster
 from scheduler.sim.profiles import analytic_gpu
 from scheduler.sim.simulator import SimConfig
+from services.common.config import load_config
 
 LIVE_POLICIES = ("kvcache_centric", "cache_aware", "least_loaded", "random", "round_robin", "dynamo", "sglang")
 TOLERANCE = 0.15  # the agreement the comparison asks for (relative, on mean TTFT and hit rate)
@@ -60,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def simulated(policy: str, args: argparse.Namespace, trace: Path) -> dict[str, Any]:
     """Mean and percentile TTFT (s) and hit rate of one policy in the simulator."""
-    config = SimConfig(policy=policy, num_prefill=args.prefill, num_decode=args.decode, reject=False)
+    engine_block = load_config(args.config).block_size  # the live prefix cache's grain, for partial trace blocks
+    config = SimConfig(policy=policy, num_prefill=args.prefill, num_decode=args.decode, reject=False,
+                       cache_block_tokens=engine_block)  # fmt: skip
     s = run_one(config, analytic_gpu(), trace, None, 1.0)["summary"]
     t = s["ttft"]
     return {"ttft_mean": t["mean"], "ttft_p50": t["p50"], "ttft_p90": t["p90"], "hit_rate": s["cache_hit_rate"],

@@ -161,7 +161,7 @@ class DecodeInstance:
             return
         self._chunking = None
         assert self.cache is not None
-        self.cache.store(c.job.request.full_blocks)
+        self.cache.store(c.job.request.full_blocks, c.job.request.tail)
         self.core.prefill_done(self.state, c.job.record.request_id, end)
         self.core.decode_started(self.state, c.job.record.request_id, end)
         c.job.record.first_token = end

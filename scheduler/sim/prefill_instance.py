@@ -1,7 +1,8 @@
 """A simulated prefill instance: a FIFO of prefill jobs over an LRU prefix cache.
 
 A job starts when the one before it ends. At its start the instance looks its prompt up in its own
-cache (blocks may have been evicted, or added, since the Conductor planned); if the plan copies KV it
+cache (blocks may have been evicted, or added, since the Conductor planned; a partly cached trace block
+counts in engine blocks, ``PrefixCache.match_tokens``); if the plan copies KV it
 first pulls the missing prefix from the best holder (``T_transfer``), then computes the rest in chunks
 of at most ``chunk_tokens`` with the profile's ``PrefillModel`` (each chunk pays the fixed cost c0 and
 attends to everything before it). At the end it stores the prompt's full blocks (copied ones too: that
@@ -56,7 +57,9 @@ class PrefillJob:
 
     def start(self, cache: PrefixCache, block_size: int, now: float) -> int:
         """Look the prompt up at start time; record local and copied tokens; return the reused tokens."""
-        own = self.shape.usable_prefix(cache.match(self.request.full_blocks) * block_size)
+        n, grain = self.request.num_prompt_tokens, cache.cache_block_tokens or block_size
+        held = cache.match_tokens(self.request.block_hashes, n, block_size)
+        own = min(held, (n - 1) // grain * grain)  # the last prompt token is computed
         prefix = own
         if self.copy_from and self.plan_prefix > own:
             prefix = self.plan_prefix
@@ -106,7 +109,7 @@ class PrefillInstance:
         job = self.running
         if job is None:
             raise RuntimeError(f"{self.instance_id} has no running prefill")
-        self.cache.store(job.request.full_blocks)
+        self.cache.store(job.request.full_blocks, job.request.tail)
         if self.store is not None:
             self.store.store(job.request.full_blocks)
         self.core.release(job.record.request_id, now, self.state)

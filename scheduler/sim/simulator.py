@@ -71,6 +71,9 @@ class SimConfig:
     # Every prefill writes its prompt's blocks through to it; any prefill instance copies from it over the
     # profile's link, as from a peer. Not on the colocated path (no transfers there).
     store_tokens: int = 0
+    # The engines' KV block (tokens): a trace block that a prompt ends inside stays cached in whole engine
+    # blocks, and a later prompt reuses those (as a live cluster's prefix cache does). 0 = whole trace blocks only.
+    cache_block_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -79,6 +82,8 @@ class SimConfig:
             raise ValueError("num_prefill and num_decode must be at least 1")
         if self.prediction_error < 0:
             raise ValueError("prediction_error must be >= 0")
+        if self.cache_block_tokens < 0 or (self.cache_block_tokens and self.block_size % self.cache_block_tokens):
+            raise ValueError(f"cache_block_tokens must be 0 or divide block_size {self.block_size}")
         if self.store_tokens < 0 or (self.store_tokens and self.colocated):
             raise ValueError("store_tokens must be >= 0, and 0 on the colocated path")
 
@@ -148,7 +153,7 @@ class Simulator:
                     bs,
                     self._finished,
                     self.core,
-                    PrefixCache(f"c{i}", cache_blocks, self.index),
+                    PrefixCache(f"c{i}", cache_blocks, self.index, cfg.cache_block_tokens),
                     noise=cfg.noise(i),
                 )  # fmt: skip
                 for i in range(cfg.num_prefill + cfg.num_decode)
@@ -159,7 +164,7 @@ class Simulator:
                     f"p{i}",
                     prof,
                     bs,
-                    PrefixCache(f"p{i}", cache_blocks, self.index),
+                    PrefixCache(f"p{i}", cache_blocks, self.index, cfg.cache_block_tokens),
                     self.core,
                     noise=cfg.noise(i),
                     store=self.store,

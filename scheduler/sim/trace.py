@@ -3,7 +3,7 @@
 Each line has ``timestamp`` (ms since the start), ``input_length``, ``output_length`` and ``hash_ids``:
 block i's id stands for the prompt up to the end of 512-token block i, so equal leading ids are an
 equal reusable prefix. The simulator uses the ids as chained block hashes (8 little-endian bytes, the
-type the KV index stores); the last block may be partial and is never reusable.
+type the KV index stores); the last block may be partial (``tail``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ class TraceRequest:
     def full_blocks(self) -> tuple[bytes, ...]:
         """Hashes of the prompt's full blocks: what a cache stores after the prefill."""
         return self.block_hashes[: self.num_prompt_tokens // TRACE_BLOCK_SIZE]
+
+    @property
+    def tail(self) -> tuple[bytes, int] | None:
+        """The block the prompt ends inside and its tokens of it (None: the prompt ends on a block boundary)."""
+        k = self.num_prompt_tokens % TRACE_BLOCK_SIZE
+        return (self.block_hashes[-1], k) if k else None
 
 
 def block_hash(hash_id: int) -> bytes:

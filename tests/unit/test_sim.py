@@ -77,6 +77,41 @@ def test_second_identical_prefix_hits_the_cache():
     assert r1.first_token - r1.arrival == pytest.approx(PROFILE.prefill.predict(1500 - 2 * BS, 2 * BS))
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "reused"),
+    [
+        ((1500, [1, 2, 3]), (1500, [1, 2, 3]), 1488),  # the same prompt: its partial third block's 476 of 476 -> 464
+        ((1100, [1, 2, 3]), (1500, [1, 2, 3]), 1088),  # a later prompt continues the block the first ended inside
+        ((1536, [1, 2, 3]), (1300, [1, 2, 3]), 1296),  # it ends inside a block the first cached whole
+        ((1100, [1, 2, 3]), (1500, [1, 2, 4]), 1024),  # a different third block: whole blocks only
+    ],
+)
+def test_a_partly_shared_trace_block_is_reused_in_engine_blocks_as_live(first, second, reused):
+    """A live prefix cache holds 16-token blocks, so it reuses the whole 16-token pieces of a 512-token trace
+    block that a prompt ended inside; ``cache_block_tokens`` makes the simulator do the same (up to the last
+    prompt token, which is always computed)."""
+    requests = [request(0, 0.0, *first), request(1, 10.0, *second)]
+    r1 = run(requests, cache_block_tokens=16).records[1]
+    assert r1.local_tokens == reused
+    assert r1.first_token - r1.arrival == pytest.approx(PROFILE.prefill.predict(second[0] - reused, reused))
+    assert run(requests).records[1].local_tokens == min(reused // BS * BS, (second[0] - 1) // BS * BS)
+
+
+def test_partly_cached_blocks_give_way_to_whole_ones_and_stay_out_of_the_index():
+    from scheduler.kv_index import KVIndex
+    from scheduler.sim.prefix_cache import PrefixCache
+
+    index = KVIndex()
+    cache = PrefixCache("p0", 2, index, cache_block_tokens=16)
+    cache.store([block_hash(1)], (block_hash(2), 300))
+    assert len(cache) == 2 and cache.match_tokens([block_hash(1), block_hash(2)], 1024, BS) == 512 + 288
+    assert index.match_prefix([block_hash(1), block_hash(2)], ["p0"]).prefix_blocks == {"p0": 1}
+    cache.store([block_hash(3), block_hash(4)])  # two whole blocks fill it: the tail goes first, then block 1
+    assert len(cache) == 2 and cache.match_tokens([block_hash(1), block_hash(2)], 1024, BS) == 0
+    with pytest.raises(ValueError, match="cache_block_tokens"):
+        SimConfig(cache_block_tokens=48)
+
+
 def test_kvcache_centric_copies_a_hot_prefix_to_an_idle_instance():
     # p0 and p1 both compute a 20-block prompt; then a burst of requests sharing it queues up, and the
     # policy copies the prefix to the idle instances rather than recomputing it there.

@@ -69,11 +69,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.view = view
         self.tokenizer = tokenizer
         self.conductor_id = conductor_id  # its instance id: the workers tell the other replicas what it booked
-        self.shared = SharedLoad(view, conductor_id)
         self.core = ConductorCore(
             ConductorPolicy(config.scheduler.policy_config()),
             LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps)),
         )
+        self.shared = SharedLoad(view, conductor_id, self.core.expected_output_tokens)
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
         # time outside the instances' models, per serving path (scheduler/ttft_overhead.py)
@@ -489,7 +489,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     num_prompt_tokens=len(tokens),
                     sampling=sampling,
                     hold_s=prefill_deadline,  # the longest the prefill may take under the watchdog
-                    booking=booking_message(self.conductor_id, job.request_id, None, d.state),
+                    booking=booking_message(
+                        self.conductor_id, job.request_id, None, d.state, sampling.max_tokens, job.fixed_length
+                    ),  # fmt: skip
                 )
                 if not p.record.exports_kv:  # vLLM: d queues the request now and p's connector pushes the KV
                     reserve.prompt_token_ids.extend(tokens)
@@ -578,11 +580,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         plan = await self._plan(job, pool, pool)
         c = self.view.instances[plan.prefill.instance_id]
         self._assign(job, plan, c, c)
+        sampling = job.attempt_sampling
         request = colocated_pb2.ColocatedRequest(
             request_id=job.worker_request_id,
             prompt_token_ids=job.tokens,
-            sampling=job.attempt_sampling,
-            booking=booking_message(self.conductor_id, job.request_id, c.state, c.state),
+            sampling=sampling,
+            booking=booking_message(
+                self.conductor_id, job.request_id, c.state, c.state, sampling.max_tokens, job.fixed_length
+            ),  # fmt: skip
         )
         job.phase = "colocated"
         with blame(c.instance_id):
@@ -592,7 +597,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 async for chunk in self._watch(call, c, "colocated", plan.prefill.ttft, plan.tbt):
                     out += len(chunk.token_ids)
                     self.core.prefill_done(c.state, job.request_id, time.monotonic())
-                    self._progress(job, c, out, request.sampling.max_tokens)
+                    self._progress(job, c, out, sampling.max_tokens)
                     yield Piece(list(chunk.token_ids), chunk.finish_reason, chunk.num_cached_tokens)
             finally:
                 call.cancel()

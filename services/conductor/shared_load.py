@@ -10,6 +10,11 @@ priors and converges within its first requests; the cost models themselves are t
 The window left open is a report's lag: a request another Conductor booked in the last period before this
 one decides. Each report measures it: the requests (and KV blocks) the worker holds beyond what this
 Conductor counted just before (its own bookings and the previous report's), kept as the maximum seen.
+
+A foreign request's decode lasts as its own Conductor expected until the worker reports its progress
+(tokens produced, counted at each token and read by the next report): from then on, like this Conductor's
+own bookings, the time so far plus the tokens still expected at its measured pace (``Booking.progress``,
+with this Conductor's expected lengths).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -31,11 +37,15 @@ REPORT_PERIOD_S = 0.05  # asked of the workers: at most this often, at every cha
 RETRY_S = 0.5  # a broken stream is reopened after this (while the instance is registered)
 
 
+ExpectedTokens = Callable[[int, bool, int], int]  # (max_tokens, fixed_length, produced) -> expected output tokens
+
+
 def booking_message(
-    conductor_id: str, request_id: str, prefill: InstanceState | None, decode: InstanceState | None
-) -> common_pb2.Booking:
+    conductor_id: str, request_id: str, prefill: InstanceState | None, decode: InstanceState | None,
+    max_tokens: int = 0, fixed_length: bool = False,
+) -> common_pb2.Booking:  # fmt: skip
     """What this Conductor booked for ``request_id``: its prefill on ``prefill``, its decode on ``decode``."""
-    message = common_pb2.Booking(conductor_id=conductor_id)
+    message = common_pb2.Booking(conductor_id=conductor_id, max_tokens=max_tokens, fixed_length=fixed_length)
     p = prefill.prefilling.items.get(request_id) if prefill is not None else None
     if p is not None:
         message.predicted_prefill_s, message.new_tokens = p.predicted_prefill_s, p.new_tokens
@@ -47,8 +57,14 @@ def booking_message(
     return message
 
 
-def foreign_bookings(report: worker_pb2.LoadReport, now: float) -> tuple[Bookings, Bookings]:
-    """(prefill, decode) bookings of the reported requests, oldest first: the queue order of the worker."""
+def foreign_bookings(
+    report: worker_pb2.LoadReport, now: float, expected: ExpectedTokens | None = None
+) -> tuple[Bookings, Bookings]:
+    """(prefill, decode) bookings of the reported requests, oldest first: the queue order of the worker.
+
+    ``expected``: how many output tokens a request is expected to produce (``ConductorCore``'s), for the
+    decodes that reported progress.
+    """
     prefilling, decoding = Bookings(), Bookings()
     for item in sorted(report.foreign, key=lambda i: -i.age_s):
         b, assigned = item.booking, now - item.age_s
@@ -57,8 +73,11 @@ def foreign_bookings(report: worker_pb2.LoadReport, now: float) -> tuple[Booking
                                                     new_tokens=b.new_tokens))  # fmt: skip
         if b.num_blocks:
             started = now - item.decode_age_s if item.decode_age_s >= 0 else None
-            decoding.add(item.request_id, Booking(assigned, 0.0, b.context_tokens, b.num_blocks, assigned + b.ttft_s,
-                                                  b.expected_decode_s, decode_started=started))  # fmt: skip
+            booking = Booking(assigned, 0.0, b.context_tokens, b.num_blocks, assigned + b.ttft_s, b.expected_decode_s,
+                              decode_started=started)  # fmt: skip
+            if started is not None and item.tokens_out and expected is not None:
+                booking.progress(now, item.tokens_out, expected(b.max_tokens, b.fixed_length, item.tokens_out))
+            decoding.add(item.request_id, booking)
     return prefilling, decoding
 
 
@@ -73,9 +92,10 @@ class Overcommit:
 class SharedLoad:
     """One load stream per registered worker; the foreign bookings and the over-commit they reveal."""
 
-    def __init__(self, view: ClusterView, conductor_id: str) -> None:
+    def __init__(self, view: ClusterView, conductor_id: str, expected: ExpectedTokens | None = None) -> None:
         self.view = view
         self.conductor_id = conductor_id
+        self.expected = expected  # output lengths, for the foreign decodes' remaining time
         self.overcommit: dict[str, Overcommit] = {}
         self._streams: dict[str, tuple[InstanceView, asyncio.Task[None]]] = {}
 
@@ -120,4 +140,4 @@ class SharedLoad:
         seen = self.overcommit.setdefault(instance_id, Overcommit())
         seen.requests = max(seen.requests, held - counted)
         seen.blocks = max(seen.blocks, held_blocks - state.booked_blocks)
-        state.foreign_prefilling, state.foreign_decoding = foreign_bookings(report, time.monotonic())
+        state.foreign_prefilling, state.foreign_decoding = foreign_bookings(report, time.monotonic(), self.expected)

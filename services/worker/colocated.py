@@ -33,6 +33,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
                 async for out in outputs:
                     if out.new_token_ids:
                         w.ledger.prefill_done(rid)
+                        w.ledger.produced(rid, len(out.new_token_ids))
                     if out.new_token_ids or out.finished:
                         yield token_chunk(list(out.new_token_ids), out.finish_reason,
                                           out.num_cached_tokens if first else 0)  # fmt: skip

@@ -110,6 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if last is not None:
                         gaps.append(now - last)
                     last = now
+                    w.ledger.produced(rid, len(out.new_token_ids))
                     if out.new_token_ids or out.finished:
                         yield token_chunk(list(out.new_token_ids), out.finish_reason)
         finally:

@@ -31,6 +31,7 @@ class Entry:
     received: float  # monotonic
     prefill_done: bool = False
     decode_started: float | None = None
+    tokens_out: int = 0  # counted at each token; read by the next report (a token alone sends none)
 
 
 class Ledger:
@@ -64,7 +65,14 @@ class Ledger:
         entry = self.entries.get(request_id)
         if entry is not None and entry.decode_started is None:
             entry.prefill_done, entry.decode_started = True, time.monotonic()
+            entry.tokens_out = 1  # token 0 came with its prefill
             self._bump()
+
+    def produced(self, request_id: str, num_tokens: int) -> None:
+        """The request produced ``num_tokens`` more output tokens here."""
+        entry = self.entries.get(request_id)
+        if entry is not None:
+            entry.tokens_out += num_tokens
 
     def remove(self, request_id: str) -> None:
         """The worker no longer holds the request."""
@@ -96,6 +104,7 @@ class Ledger:
                     age_s=now - e.received,
                     prefill_done=e.prefill_done,
                     decode_age_s=now - e.decode_started if e.decode_started is not None else -1.0,
+                    tokens_out=e.tokens_out,
                 )  # fmt: skip
             )
         return report

@@ -142,7 +142,13 @@ async def test_the_load_stream_shows_each_conductor_the_other_conductors_request
     report = await a.read()  # a change is reported at once
     while report.foreign and report.foreign[0].decode_age_s < 0:
         report = await a.read()
-    assert report.foreign and report.foreign[0].prefill_done
+    assert report.foreign and report.foreign[0].prefill_done and report.foreign[0].tokens_out >= 1
+    counted = 0  # the tokens it produced, as the ledger counts them for the next report
+    while not decoding.done():
+        entry = served.servicer.worker.ledger.entries.get("rb")
+        counted = max(counted, entry.tokens_out if entry is not None else 0)
+        await asyncio.sleep(0.001)
+    assert counted > 1
     await decoding
     while (report := await a.read()).foreign:  # it ended: gone from the next report
         pass

@@ -8,8 +8,10 @@ import pytest
 
 from kvconductor.v1 import common_pb2, worker_pb2
 from scheduler.booking import Booking
-from scheduler.cost_model import DecodeModel, PrefillModel
+from scheduler.core import ConductorCore
+from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.instance import InstanceState
+from scheduler.policy import ConductorPolicy
 from services.conductor.cluster_view import ClusterView
 from services.conductor.shared_load import SharedLoad, booking_message, foreign_bookings
 from services.worker.ledger import Ledger
@@ -62,6 +64,33 @@ def test_foreign_bookings_add_to_the_instances_queue_batch_and_blocks():
     assert state.prefill_candidate(0, now).in_flight == 2  # own + x
 
 
+def test_the_ledger_counts_the_tokens_each_request_produced_without_a_report_per_token():
+    ledger = Ledger()
+    ledger.add("theirs", _booked("b", 0.0, 5))
+    ledger.decode_started("theirs")  # a decode reservation: token 0 came with its prefill
+    version = ledger.version
+    ledger.produced("theirs", 3)
+    ledger.produced("gone", 1)  # not held: ignored
+    assert ledger.version == version
+    assert ledger.report("a").foreign[0].tokens_out == 4
+
+
+def test_a_foreign_decode_slower_than_its_conductor_predicted_stays_in_the_batch_at_its_measured_pace():
+    """Its own Conductor expected 1 s of decode; the worker reports 11 of its 32 tokens after 2 s: it has
+    21 tokens, 4.2 s, left. Without the progress it would count as gone a second ago."""
+    now = time.monotonic()
+    booking = _booked("b", 0.0, 30)
+    booking.max_tokens, booking.fixed_length = 32, True
+    item = worker_pb2.BookedRequest(request_id="y", booking=booking, age_s=2.5, prefill_done=True, decode_age_s=2.0,
+                                    tokens_out=11)  # fmt: skip
+    core = ConductorCore(ConductorPolicy(), LinkModels(TransferModel(0.001, 1e9)))
+    report = worker_pb2.LoadReport(foreign=[item])
+    _, decoding = foreign_bookings(report, now, core.expected_output_tokens)
+    assert decoding.residents(now)[0].t_leave == pytest.approx(4.2)
+    _, stale = foreign_bookings(report, now)
+    assert stale.residents(now)[0].t_leave < 0.01
+
+
 def test_a_conductor_does_not_admit_what_another_replica_already_filled():
     now = time.monotonic()
     state = _state(num_blocks=100)
@@ -76,7 +105,8 @@ def test_booking_message_carries_what_the_core_booked():
     p, d = _state(), _state()
     p.prefilling.add("r", Booking(now, 0.25, 120, 0, new_tokens=90))
     d.decoding.add("r", Booking(now, 0.0, 120, 9, now + 0.4, 2.0))
-    message = booking_message("a", "r", p, d)
+    message = booking_message("a", "r", p, d, max_tokens=64, fixed_length=True)
+    assert (message.max_tokens, message.fixed_length) == (64, True)
     assert (message.conductor_id, message.predicted_prefill_s, message.new_tokens) == ("a", 0.25, 90)
     assert (message.num_blocks, message.context_tokens, message.expected_decode_s) == (9, 120, 2.0)
     assert message.ttft_s == pytest.approx(0.4)

@@ -37,6 +37,12 @@ from services.worker.worker import Worker, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
+# Of the KV pool, the most that write-throughs in flight keep pinned. A put caught by a master that hangs
+# holds its pins until Mooncake gives up (2 x 30 s); this much of the pool is all it can take from the
+# prompts that must be computed meanwhile. A prompt beyond it is put in part (its leading blocks; the next
+# prompt sharing them puts the rest).
+STORE_PIN_SHARE = 0.25
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """``Prefill.Prefill``, ``ExportBlocks`` and ``ReleaseBlocks``."""
@@ -44,24 +50,34 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.exports = Exports(worker)
+        self.store_pins = 0  # blocks write-throughs in flight hold (or are about to)
 
     async def _write_through(self, prompt: list[int]) -> None:
         """Put the prompt's full blocks into the Mooncake Store, off the request's path, and index them there.
 
         The blocks are pinned while the Store reads them (the request released them into the prefix cache,
-        where a later step could evict them); blocks evicted before the pin are left out.
+        where a later step could evict them); blocks evicted before the pin are left out, and so are those
+        beyond the pins left to write-throughs (``STORE_PIN_SHARE`` of the pool).
         """
         w, store = self.worker, self.worker.store
         if store is None or not store.available:
             return
-        block_size = w.engine.layout.block_size
-        tokens = prompt[: len(prompt) // block_size * block_size]
-        hashes = prefix_block_hashes(tokens, block_size)
-        blocks = await complete(w.engine.pin_cached_blocks(hashes, tokens))
+        layout = w.engine.layout
+        take = min(len(prompt) // layout.block_size, int(layout.num_blocks * STORE_PIN_SHARE) - self.store_pins)
+        if take <= 0:
+            log.debug("write-through skipped: %d blocks are pinned for the Store already", self.store_pins)
+            return
+        tokens = prompt[: take * layout.block_size]
+        hashes = prefix_block_hashes(tokens, layout.block_size)
+        self.store_pins += take
         try:
-            put = await complete(store.put(hashes[: len(blocks)], blocks))
+            blocks = await complete(w.engine.pin_cached_blocks(hashes, tokens))
+            try:
+                put = await complete(store.put(hashes[: len(blocks)], blocks))
+            finally:
+                await w.engine.unpin_blocks(blocks)
         finally:
-            await w.engine.unpin_blocks(blocks)
+            self.store_pins -= take
         if put.blocks:
             metrics.observe_transfer("store_put", put.bytes, put.seconds)
         if put.note:

@@ -39,8 +39,7 @@ log = logging.getLogger(__name__)
 
 # Of the KV pool, the most that write-throughs in flight keep pinned. A put caught by a master that hangs
 # holds its pins until Mooncake gives up (2 x 30 s); this much of the pool is all it can take from the
-# prompts that must be computed meanwhile. A prompt beyond it is put in part (its leading blocks; the next
-# prompt sharing them puts the rest).
+# prompts that must be computed meanwhile. A longer prompt is put in pieces of at most this many blocks.
 STORE_PIN_SHARE = 0.25
 
 
@@ -56,33 +55,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Put the prompt's full blocks into the Mooncake Store, off the request's path, and index them there.
 
         The blocks are pinned while the Store reads them (the request released them into the prefix cache,
-        where a later step could evict them); blocks evicted before the pin are left out, and so are those
-        beyond the pins left to write-throughs (``STORE_PIN_SHARE`` of the pool).
+        where a later step could evict them), a piece at a time within the pins left to write-throughs
+        (``STORE_PIN_SHARE`` of the pool). It stops at a block evicted before its pin, at a failed put, or
+        when no pins are left (the next prompt sharing the blocks puts the rest).
         """
         w, store = self.worker, self.worker.store
-        if store is None or not store.available:
+        if store is None:
             return
         layout = w.engine.layout
-        take = min(len(prompt) // layout.block_size, int(layout.num_blocks * STORE_PIN_SHARE) - self.store_pins)
-        if take <= 0:
-            log.debug("write-through skipped: %d blocks are pinned for the Store already", self.store_pins)
-            return
-        tokens = prompt[: take * layout.block_size]
-        hashes = prefix_block_hashes(tokens, layout.block_size)
-        self.store_pins += take
-        try:
-            blocks = await complete(w.engine.pin_cached_blocks(hashes, tokens))
+        bs, budget = layout.block_size, int(layout.num_blocks * STORE_PIN_SHARE)
+        full = len(prompt) // bs
+        hashes = prefix_block_hashes(prompt[: full * bs], bs)
+        done = 0
+        while done < full and store.available:
+            take = min(full - done, budget - self.store_pins)
+            if take <= 0:
+                log.debug("write-through stopped: %d blocks are pinned for the Store already", self.store_pins)
+                return
+            end = done + take
+            self.store_pins += take
             try:
-                put = await complete(store.put(hashes[: len(blocks)], blocks))
+                blocks = await complete(w.engine.pin_cached_blocks(hashes[done:end], prompt[done * bs : end * bs]))
+                try:
+                    put = await complete(store.put(hashes[done : done + len(blocks)], blocks))
+                finally:
+                    await w.engine.unpin_blocks(blocks)
             finally:
-                await w.engine.unpin_blocks(blocks)
-        finally:
-            self.store_pins -= take
-        if put.blocks:
-            metrics.observe_transfer("store_put", put.bytes, put.seconds)
-        if put.note:
-            log.info("write-through to the Store: %s", put.note)
-        await w.events.publish_store(store.store_id, put.stored, [])
+                self.store_pins -= take
+            if put.blocks:
+                metrics.observe_transfer("store_put", put.bytes, put.seconds)
+            await w.events.publish_store(store.store_id, put.stored, [])
+            if put.note:
+                log.info("write-through to the Store: %s", put.note)
+                return
+            if len(blocks) < take:
+                return
+            done = end
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:  # noqa: N802
         """Compute the prompt (after copying its prefix, if planned), send its KV, return the first token."""

@@ -44,7 +44,8 @@ FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASO
 class Completion:
     """A whole response."""
 
-    request_id: str = ""
+    request_id: str = ""  # the label sent (or, without one, the Conductor's id)
+    conductor_request_id: str = ""  # the Conductor's own id of the request (after a failover: the last one's)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
@@ -104,14 +105,14 @@ class ConductorClient:
             request.token_ids.ids.extend(prompt)
         streamed: list[int] = []
         stubs = self._order()
-        for failovers, stub in enumerate(stubs):
+        for tried, stub in enumerate(stubs, 1):
             try:
-                for message in stub.Generate(failover_request(request, streamed, failovers), timeout=self.timeout_s):
+                for message in stub.Generate(failover_request(request, streamed), timeout=self.timeout_s):
                     streamed += message.token_ids
                     yield message
                 return
             except grpc.RpcError as e:
-                if e.code() not in FAILOVER or failovers == len(stubs) - 1:
+                if e.code() not in FAILOVER or tried == len(stubs):
                     raise
 
     def complete(self, prompt: str | Sequence[int], **kwargs: object) -> Completion:
@@ -119,6 +120,7 @@ class ConductorClient:
         result = Completion()
         for message in self.generate(prompt, **kwargs):  # type: ignore[arg-type]
             result.request_id = message.request_id
+            result.conductor_request_id = message.conductor_request_id or result.conductor_request_id
             result.token_ids += message.token_ids
             result.text += message.text
             if message.HasField("decision"):
@@ -167,8 +169,9 @@ def generate_main(args: argparse.Namespace, config: Config) -> int:
                          "cached_tokens": r.usage.cached_tokens}  # fmt: skip
                 decision = r.decision or conductor_pb2.Decision()
                 route = {"prefill_instance": decision.prefill_instance, "decode_instance": decision.decode_instance}
-                reply = {"request_id": r.request_id, "token_ids": r.token_ids, "text": r.text,
-                         "finish_reason": r.finish_reason, "usage": usage, **route}  # fmt: skip
+                reply = {"request_id": r.request_id, "conductor_request_id": r.conductor_request_id,
+                         "token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason, "usage": usage,
+                         **route}  # fmt: skip
                 print(json.dumps(reply))
             else:
                 for message in client.generate(args.prompt, **options):  # type: ignore[arg-type]

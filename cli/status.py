@@ -120,7 +120,8 @@ def print_decision(config: Config, request_id: str) -> int:
         print(f"no decision: {e.details() or e.code().name}")
         return 1
     verdict = "REJECTED" if d.rejected else f"prefill {d.prefill_instance} -> decode {d.decode_instance}"
-    print(f"request {d.request_id} ({d.policy}): {verdict}")
+    label = f"{d.client_request_id} [{d.request_id}]" if d.client_request_id else d.request_id
+    print(f"request {label} ({d.policy}): {verdict}")
     print(f"  {d.reason}")
     print(f"  best_len {d.best_len} on {d.best_instance or '-'}; predicted TTFT {d.predicted_ttft_ms:.1f} ms "
           f"(learned overhead {d.ttft_overhead_ms:.1f} ms included), TBT {d.predicted_tbt_ms:.1f} ms"

@@ -203,6 +203,15 @@ def _colocated_default() -> WorkerConfig:
     return WorkerConfig(node_count=0)
 
 
+LIMIT_RANGES = (
+    ("max_prompt_bytes", 1024, 64 << 20),
+    ("max_stop_strings", 0, 1024),
+    ("max_stop_bytes", 1, 4096),
+    ("max_stop_token_ids", 0, 4096),
+    ("max_request_id_bytes", 16, 4096),
+)
+
+
 @dataclass
 class SchedulerConfig:
     """``[scheduler]``: the Conductor's policy (Mooncake Algorithm 1)."""
@@ -241,6 +250,13 @@ class SchedulerConfig:
     worker_wait_s: float = 5.0
     # Conductor processes `kvconductor up` starts (active-active; the first at [cluster] scheduler_endpoint)
     replicas: int = 1
+    # Bounds on what one client request may ask of the Conductor (beyond them: INVALID_ARGUMENT / HTTP 400 naming
+    # the key). Prompt tokens and max_tokens are bounded by the model's context length.
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of a text prompt (it is tokenized on a thread, off the loop)
+    max_stop_strings: int = 16  # stop strings per request (each is scanned for at every token)
+    max_stop_bytes: int = 256  # UTF-8 bytes of one stop string
+    max_stop_token_ids: int = 64  # stop token ids per request
+    max_request_id_bytes: int = 256  # the client's request id (a label in logs, traces and explain)
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -256,6 +272,8 @@ class SchedulerConfig:
         _check(0 < self.stall_timeout_s <= 3600, "[scheduler] stall_timeout_s", "must be in (0, 3600]")
         _check(1 <= self.stall_factor <= 100, "[scheduler] stall_factor", "must be in 1..100")
         _check(0 <= self.worker_wait_s <= 300, "[scheduler] worker_wait_s", "must be in 0..300")
+        for key, low, high in LIMIT_RANGES:
+            _check(low <= getattr(self, key) <= high, f"[scheduler] {key}", f"must be in {low}..{high}")
         _check(
             self.early_rejection in EARLY_REJECTION,
             "[scheduler] early_rejection",

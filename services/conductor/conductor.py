@@ -25,6 +25,7 @@ from opentelemetry import trace
 from tokenizers import Tokenizer
 
 from engine.block_hash import prefix_block_hashes
+from engine.tokenizer import tokenize_off_loop
 from kvconductor.v1 import (
     colocated_pb2,
     common_pb2,
@@ -51,6 +52,7 @@ from services.conductor.cluster_view import ClusterView, InstanceView
 from services.conductor.decisions import DecisionLog, decision_attributes, to_decision
 from services.conductor.detokenizer import Detokenizer
 from services.conductor.job import RETRYABLE, Job, Piece, WorkerFailure, blame
+from services.conductor.limits import check_limits
 from services.conductor.prediction_errors import DEFAULT_WINDOW_S, PredictionErrors
 from services.conductor.shared_load import Overcommit, SharedLoad, booking_message
 
@@ -89,12 +91,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if request.deployment not in conductor_pb2.Deployment.values():
             raise ValueError(f"unknown deployment {request.deployment}")
         await self.view.wait_for(lambda: any(self._available(request.deployment)), self.config.scheduler.worker_wait_s)
-        job = self._admit(request)
+        job = await self._admit(request)
         disaggregated = self._use_disaggregated(request.deployment)
         job.path = "disaggregated" if disaggregated else "colocated"
         span = trace.get_current_span()
         span.set_attributes(
-            {"kvconductor.request_id": job.request_id, "kvconductor.path": job.path,
+            {"kvconductor.request_id": job.request_id, "kvconductor.client_request_id": job.label,
+             "kvconductor.path": job.path,
              "kvconductor.prompt_tokens": len(job.prompt), "kvconductor.max_tokens": job.sampling.max_tokens}
         )  # fmt: skip
         outcome = "failed"
@@ -170,13 +173,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     # -- admission -------------------------------------------------------------------------------
 
-    def _admit(self, request: conductor_pb2.GenerateRequest) -> Job:
+    async def _admit(self, request: conductor_pb2.GenerateRequest) -> Job:
         if request.model and request.model != self.config.model.name:
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
         max_len = self.view.max_model_len()
         if max_len == 0:
             raise RpcError(UNAVAILABLE, "no healthy workers")
-        prompt = self._prompt_ids(request)
+        check_limits(request, self.config.scheduler)
+        prompt = await self._prompt_ids(request)
         if len(prompt) >= max_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {max_len}")
         sampling = common_pb2.SamplingParams()
@@ -192,23 +196,22 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if not sampling.HasField("seed"):
             # One seed for the whole request, so the prefill and decode workers sample as one engine would.
             sampling.seed = random.getrandbits(63)
-        rid = request.request_id or uuid.uuid4().hex
         hashes = prefix_block_hashes(prompt, self.view.block_size())
-        job = Job(rid, prompt, sampling, list(request.stop), hashes)
+        # The Conductor's own id, unique across replicas: the client's id is only a label (two clients may send
+        # the same one), and a failed-over request gets fresh ids while the failed Conductor's are released.
+        job = Job(uuid.uuid4().hex, prompt, sampling, list(request.stop), hashes, label=request.request_id)
         if request.resume_token_ids:  # a failed-over request: continue after what the client already has
             resumed = list(request.resume_token_ids)
             self._check_vocab(resumed)
             if len(resumed) >= sampling.max_tokens:
                 raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({sampling.max_tokens})")
             job.generated = resumed
-        if request.failovers:  # the failed Conductor's attempts may still be releasing that id on the workers
-            job.worker_id_base = f"{rid}~{uuid.uuid4().hex[:8]}"
         return job
 
-    def _prompt_ids(self, request: conductor_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: conductor_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which == "text":
-            prompt: list[int] = self.tokenizer.encode(request.text, add_special_tokens=False).ids
+            prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text)
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
@@ -276,10 +279,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             outcome = await self._decide(job, prefills, decodes)
             span.set_attributes(decision_attributes(job.decision))
         if isinstance(outcome, Rejection):
-            log.info("request %s rejected: %s", job.request_id, outcome.reason)
+            log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
-        log.info("request %s: %s", job.request_id, outcome.reason)
+        log.info("request %s: %s", job.name, outcome.reason)
         if outcome.probe:
             metrics.PROBES.inc()
         job.plan = outcome
@@ -303,7 +306,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         outcome = self.core.decide(
             now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store
         )
-        job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome)
+        job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome, job.label)
         self.decisions.record(job.decision)
         return outcome
 
@@ -368,7 +371,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 )
                 if number == self.config.scheduler.max_attempts:
                     raise RpcError(UNAVAILABLE, f"gave up after {number} attempts; last: {failure}") from failure
-                log.warning("request %s: %s; resuming after %d streamed tokens", job.request_id, failure,
+                log.warning("request %s: %s; resuming after %d streamed tokens", job.name, failure,
                             len(job.generated))  # fmt: skip
                 metrics.RETRIES.labels(job.path).inc()
 
@@ -621,10 +624,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 finish = common_pb2.FINISH_REASON_STOP if detok.stopped else piece.finish_reason
                 final = finish != common_pb2.FINISH_REASON_UNSPECIFIED
                 response = conductor_pb2.GenerateResponse(
-                    request_id=job.request_id, token_ids=piece.token_ids, text=text + (detok.flush() if final else "")
+                    request_id=job.client_id, token_ids=piece.token_ids, text=text + (detok.flush() if final else "")
                 )
-                if include_decision and len(times) == 1 and job.decision is not None:
-                    response.decision.CopyFrom(job.decision)
+                if len(times) == 1:
+                    response.conductor_request_id = job.request_id
+                    if include_decision and job.decision is not None:
+                        response.decision.CopyFrom(job.decision)
                 if final:
                     response.finish_reason = finish
                     response.usage.CopyFrom(

@@ -27,11 +27,15 @@ def _candidate(e: PrefillEstimate) -> conductor_pb2.CandidateEstimate:
     return conductor_pb2.CandidateEstimate(instance_id=e.instance_id, predicted_ttft_ms=e.ttft * 1e3, **_estimate(e))
 
 
-def to_decision(request_id: str, policy: str, outcome: Plan | Rejection) -> conductor_pb2.Decision:
+def to_decision(request_id: str, policy: str, outcome: Plan | Rejection, label: str = "") -> conductor_pb2.Decision:
     """The message form of a plan or a rejection."""
     plan = outcome if isinstance(outcome, Plan) else outcome.plan
     decision = conductor_pb2.Decision(
-        request_id=request_id, policy=policy, rejected=isinstance(outcome, Rejection), reason=outcome.reason
+        request_id=request_id,
+        policy=policy,
+        rejected=isinstance(outcome, Rejection),
+        reason=outcome.reason,
+        client_request_id=label,
     )
     if plan is None:
         return decision
@@ -70,23 +74,29 @@ RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")  # the gateway's response id is on
 
 
 class DecisionLog:
-    """The last ``capacity`` decisions, by request id."""
+    """The last ``capacity`` decisions, by the Conductor's request id; a client's label finds its latest one."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
         self._decisions: OrderedDict[str, conductor_pb2.Decision] = OrderedDict()
+        self._latest: dict[str, str] = {}  # client label -> the Conductor's id of its latest request
 
     def record(self, decision: conductor_pb2.Decision) -> None:
         """Remember a decision (the oldest is forgotten past capacity)."""
         self._decisions[decision.request_id] = decision
         self._decisions.move_to_end(decision.request_id)
+        if decision.client_request_id:
+            self._latest[decision.client_request_id] = decision.request_id
         while len(self._decisions) > self.capacity:
-            self._decisions.popitem(last=False)
+            _, old = self._decisions.popitem(last=False)
+            if self._latest.get(old.client_request_id) == old.request_id:
+                del self._latest[old.client_request_id]
 
     def get(self, request_id: str) -> conductor_pb2.Decision | None:
-        """The decision for a request id, or for the id of its OpenAI response, if still remembered."""
-        decision = self._decisions.get(request_id)
-        for prefix in RESPONSE_ID_PREFIXES:
-            if decision is None and request_id.startswith(prefix):
-                decision = self._decisions.get(request_id.removeprefix(prefix))
-        return decision
+        """The decision for a request id, the id of its OpenAI response or a client's label, if still remembered."""
+        keys = [request_id] + [request_id.removeprefix(p) for p in RESPONSE_ID_PREFIXES if request_id.startswith(p)]
+        for key in keys:
+            decision = self._decisions.get(key) or self._decisions.get(self._latest.get(key, ""))
+            if decision is not None:
+                return decision
+        return None

@@ -23,7 +23,11 @@ from scheduler.policy import Plan
 
 @dataclass
 class Job:
-    """A validated request."""
+    """A validated request.
+
+    ``request_id`` is the Conductor's own id (unique: every worker RPC, booking and ledger entry is keyed by it);
+    ``label`` is the client's id for it, shown in logs, traces, responses and explain, never used as a key.
+    """
 
     request_id: str
     prompt: list[int]
@@ -39,12 +43,22 @@ class Job:
     attempt: int = 1  # the current attempt, from 1
     phase: str = ""  # what the current attempt waits for: "prefill", "decode" or "colocated" (watchdog, metrics)
     worker_ttft: float | None = None  # seconds the prefill worker reported for token 0 (queue included)
-    worker_id_base: str = ""  # the workers' id of the first attempt when not the request id (a resumed request)
+    label: str = ""  # the client's request id ("" = none given)
 
     @property
     def tokens(self) -> list[int]:
         """What the current attempt prefills: the prompt, plus the tokens already streamed."""
         return self.prompt + self.generated
+
+    @property
+    def name(self) -> str:
+        """How logs name the request: the client's label with the Conductor's id."""
+        return f"{self.label} [{self.request_id}]" if self.label else self.request_id
+
+    @property
+    def client_id(self) -> str:
+        """The id the client sees in responses: its own label, else the Conductor's id."""
+        return self.label or self.request_id
 
     @property
     def worker_request_id(self) -> str:
@@ -54,8 +68,7 @@ class Job:
         prefill, a stalled worker that moved again) while that attempt's reservation or request is still
         being released there; distinct ids keep the two apart.
         """
-        base = self.worker_id_base or self.request_id
-        return base if self.attempt <= 1 else f"{base}.{self.attempt}"
+        return self.request_id if self.attempt <= 1 else f"{self.request_id}.{self.attempt}"
 
     @property
     def fixed_length(self) -> bool:

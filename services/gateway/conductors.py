@@ -122,7 +122,6 @@ class FailoverCall:
         self._conductors = conductors
         self._request = request
         self._streamed: list[int] = []
-        self._failovers = 0
         self._left = conductors.addresses()
         self._cancelled = False
         self._call: Any = None
@@ -131,7 +130,7 @@ class FailoverCall:
 
     def _next_call(self) -> None:
         self._address = self._left.pop(0)
-        request = failover_request(self._request, self._streamed, self._failovers)
+        request = failover_request(self._request, self._streamed)
         self._call = conductor_pb2_grpc.ConductorStub(self._conductors.channel(self._address)).Generate(request)
 
     async def read(self) -> Any:
@@ -143,7 +142,6 @@ class FailoverCall:
                 if self._cancelled or e.code() not in FAILOVER or not self._left:
                     raise
                 self._conductors.failed(self._address)
-                self._failovers += 1
                 log.warning("Conductor at %s failed %s (%s) after %d tokens: going on at %s", self._address,
                             self._request.request_id, e.code().name, len(self._streamed), self._left[0])  # fmt: skip
                 self._next_call()

@@ -10,6 +10,7 @@ disconnects cancels the gRPC call, and with it the work on the workers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -31,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer, tokenize_off_loop
 from kvconductor.v1 import common_pb2, conductor_pb2
 from services.common import metrics
 from services.common.config import Config
@@ -257,7 +258,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.model is not None and body.model != gateway.model:
         raise OpenAIError(404, f"model {body.model!r} does not exist", "not_found_error", "model", "model_not_found")
     tokenizer, max_model_len = gateway.tokenizer()
-    tokens = tokenizer.encode(body.prompt, add_special_tokens=False).ids
+    tokens = await tokenize_off_loop(tokenizer, body.prompt)
     return JSONResponse({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens})
 
 
@@ -287,7 +288,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     """Chat completion, prompted through the model's chat template."""
     gateway = _gateway(request)
     gateway.check_key(request)
-    prompt = gateway.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt = await asyncio.to_thread(gateway.template.render, messages)  # off the loop that streams the others
     return await _generate(gateway, body, request, prompt, chat=True)
 
 
@@ -343,7 +345,7 @@ async def _run(
     headers = {"x-request-id": request_id}
     if first is grpc.aio.EOF:
         return _error(500, "the Conductor ended the stream without a response", request_id=request_id)
-    shaper = Shaper(gateway.model, request_id, chat)
+    shaper = Shaper(gateway.model, first.conductor_request_id or request_id, chat)  # a unique response id
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 UINT32_MAX = 2**32 - 1
+MAX_MESSAGES = 4096  # chat messages per request (the body is bounded too: [gateway] max_request_bytes)
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 
 
@@ -49,11 +50,15 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1)
     user: str | None = None
     ignore_eos: bool = False
+    logprobs: bool | int | None = None  # refused when asked for: not returned (rather than silently dropped)
+    top_logprobs: int | None = None
 
     @model_validator(mode="after")
-    def _check_n(self) -> SamplingFields:
+    def _check_unsupported(self) -> SamplingFields:
         if self.n != 1:
             raise ValueError("n > 1 is not supported; send n separate requests")
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs are not supported")
         return self
 
     def stop_list(self) -> list[str]:
@@ -110,7 +115,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
     def limit(self) -> int:

@@ -161,6 +161,24 @@ def test_rest_text_matches_the_tokens(cluster, model_dir):
         ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
         ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
         ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, None),
+        # bounds on what a client controls (issue 27): each names the key that sets it
+        (
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 100_000},
+            400,
+            "max_stop_strings",
+        ),
+        (
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stop": ["s" * 300]},
+            400,
+            "max_stop_bytes",
+        ),
+        (
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [1] * 100},
+            400,
+            "max_stop_token_ids",
+        ),
+        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}] * 5000}, 400, "messages"),
+        ({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
     ],
 )
 def test_bad_requests_get_openai_shaped_errors(cluster, body, status, param):
@@ -201,12 +219,52 @@ def test_grpc_errors_have_status_codes(cluster):
         assert "vocabulary" in vocab.value.details()
 
 
+def test_two_clients_sending_the_same_request_id_each_get_their_own_output(cluster, prompts, reference, model_dir):
+    """The client's id is a label: two requests with one id run side by side without touching each other's KV."""
+    pairs = list(zip(prompts[-4:], reference[-4:], strict=True))
+
+    def rest(prompt):
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": helpers.MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        reply = httpx.post(f"{cluster.rest}/completions", json=body, headers={"x-request-id": "same"}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-request-id"] == "same"
+        return reply.json()
+
+    def grpc_call(prompt):
+        return helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_AUTO, request_id="same")[0]
+
+    with ThreadPoolExecutor(len(pairs) * 2) as pool:
+        replies = list(pool.map(rest, [p for p, _ in pairs]))
+        tokens = list(pool.map(grpc_call, [p for p, _ in pairs]))
+    tokenizer = load_tokenizer(model_dir)
+    assert tokens == [expected for _, expected in pairs]
+    texts = [tokenizer.decode(expected, skip_special_tokens=True) for _, expected in pairs]
+    assert [r["choices"][0]["text"] for r in replies] == texts
+    assert len({r["id"] for r in replies}) == len(replies)  # every response has an id of its own
+    assert helpers.cli(cluster, "explain", replies[0]["id"]).returncode == 0  # the response id finds its decision
+
+
+def test_a_long_text_prompt_is_bounded_and_tokenized_off_the_loop(cluster):
+    """A prompt over [scheduler] max_prompt_bytes is refused before tokenizing, naming the key."""
+    with grpc.insecure_channel(cluster.conductor) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        with pytest.raises(grpc.RpcError) as big:
+            list(stub.Generate(conductor_pb2.GenerateRequest(text="x" * ((1 << 20) + 1)), timeout=30))
+        assert big.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_bytes" in big.value.details()
+        with pytest.raises(grpc.RpcError) as label:
+            list(stub.Generate(conductor_pb2.GenerateRequest(request_id="r" * 1000, text="hi"), timeout=30))
+        assert label.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_request_id_bytes" in label.value.details()
+
+
 def test_explain_and_status_commands(cluster):
     prompt = list(range(40, 140))
     helpers.grpc_generate(cluster, prompt, conductor_pb2.DEPLOYMENT_DISAGGREGATED, request_id="explain-me")
     explained = helpers.cli(cluster, "explain", "explain-me")
     assert explained.returncode == 0, explained.stderr
-    assert "explain-me (kvcache_centric): prefill prefill-" in explained.stdout
+    assert "request explain-me [" in explained.stdout  # the client's label, then the Conductor's id
+    assert "] (kvcache_centric): prefill prefill-" in explained.stdout
     assert "prefill-0" in explained.stdout and "prefill-1" in explained.stdout  # every candidate is listed
     assert "T_queue" in explained.stdout and "TTFT" in explained.stdout
     assert helpers.cli(cluster, "explain", "never-sent").returncode == 1
@@ -246,7 +304,7 @@ def test_python_client_and_generate_cluster_command(cluster):
         result = client.complete(list(range(10, 60)), max_tokens=5, ignore_eos=True, include_decision=True)
         assert len(result.token_ids) == 5 and result.finish_reason == "length"
         assert result.usage.prompt_tokens == 50 and result.decision.prefill_instance.startswith("prefill-")
-        assert client.explain(result.request_id).request_id == result.request_id
+        assert client.explain(result.request_id).request_id == result.conductor_request_id == result.request_id
         with pytest.raises(grpc.RpcError) as missing:
             client.explain("no-such-request")
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND

@@ -16,6 +16,11 @@ The engine has a fixed cost per entry, so a prefix of contiguous blocks (the com
 with a freshly allocated block table) moves as one large entry. Results and counters
 still report the caller's blocks, not the merged entries.
 
+Listening sockets. The engine's handshake (RPC) port and TCP data port are bound to ``host`` only, never to
+every interface: the engine authenticates nobody, and whoever reaches those ports can read and overwrite the
+registered pool. Mooncake itself binds them to the wildcard whatever ``host`` says; ``bind_guard.confined``
+rewrites its binds and refuses an engine that still listens elsewhere (services/worker/bind_guard.py).
+
 The transfer calls block and release the GIL: call them from a worker thread to overlap
 them with compute.
 
@@ -32,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from mooncake.engine import TransferEngine
+
+from services.worker.bind_guard import confined
 
 _PROTOCOLS = ("tcp", "rdma")
 
@@ -108,7 +115,8 @@ class KVTransferEngine:
         self.merge = merge
         self.link_floor = link_floor  # least seconds a transfer of n bytes takes (a modeled link)
         self._engine = TransferEngine()
-        status = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        with confined(host):  # after `import mooncake.engine`, which loads the objects it patches
+            status = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if status != 0:
             raise RuntimeError(
                 f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}, "

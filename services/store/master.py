@@ -5,7 +5,8 @@ again on the same port, so the workers' store clients reconnect to it. A restart
 from before (the Store is a lossy cache: every lookup then misses and the requests recompute), which
 ``generation`` tells the rest of the service.
 
-Its flags: the RPC port and address, its own Prometheus port, the eviction watermarks of ``[store]``, and a
+Its flags: the RPC port and address, its own Prometheus (metrics and admin HTTP) port and address (the
+master's default for that one is 0.0.0.0, every interface), the eviction watermarks of ``[store]``, and a
 short lease on objects just read (``default_kv_lease_ttl``) so that a block being read is not evicted under
 the reader. Clients handshake peer to peer (``P2PHANDSHAKE``), so no metadata server runs.
 """
@@ -58,7 +59,8 @@ class StoreMaster:
         """The master's command line."""
         c = self.config
         return [str(master_binary()), f"--rpc_port={self.port}", f"--rpc_address={self.host}",
-                f"--metrics_port={free_port()}", f"--eviction_high_watermark_ratio={c.eviction_high_watermark_ratio}",
+                f"--metrics_port={free_port()}", f"--metrics_host={self.host}",
+                f"--eviction_high_watermark_ratio={c.eviction_high_watermark_ratio}",
                 f"--eviction_ratio={c.eviction_ratio}", f"--default_kv_lease_ttl={LEASE_TTL_MS}"]  # fmt: skip
 
     def alive(self) -> bool:

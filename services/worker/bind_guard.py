@@ -39,8 +39,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import mooncake
-
 from services.worker import _bind_guard
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -74,6 +72,8 @@ def resolve(host: str) -> Address:
 
 def mooncake_paths() -> tuple[str, ...]:
     """Directories of Mooncake's shared objects: the package's and its wheel's vendored ``*.libs``."""
+    import mooncake  # here: importing this module loads nothing of Mooncake's
+
     paths: list[str] = []
     for package in mooncake.__path__:
         real = os.path.realpath(package)

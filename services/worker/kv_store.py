@@ -42,6 +42,7 @@ from typing import Any
 from services.common.config import Config
 from services.common.instance_record import StoreRecord
 from services.common.registry import InstanceEvent, Registry
+from services.worker.bind_guard import ExposedListenerError, confined
 from services.worker.engine_port import KVLayout
 
 log = logging.getLogger(__name__)
@@ -261,8 +262,14 @@ class KVStore:
 
         client = MooncakeDistributedStore()
         segment = self.config.store.segment_mb << 20
-        code = client.setup(self.config.cluster.host, "P2PHANDSHAKE", segment, LOCAL_BUFFER_BYTES, "tcp", "",
-                            record.master_address)  # fmt: skip
+        try:
+            with confined(self.config.cluster.host):  # the client's own Transfer Engine listens on the host only
+                code = client.setup(self.config.cluster.host, "P2PHANDSHAKE", segment, LOCAL_BUFFER_BYTES, "tcp",
+                                    "", record.master_address)  # fmt: skip
+        except ExposedListenerError as e:
+            _close_later(client)
+            self._back_off(str(e), reconnect=False)
+            return None
         if code == 0:
             code = client.register_buffer(self.layout.base_address, self.layout.nbytes)
         if code != 0:

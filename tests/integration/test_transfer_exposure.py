@@ -1,7 +1,8 @@
-"""The Transfer Engine listens on the configured host only (issue 27: the KV data plane stays on the cluster's network).
+"""The KV data plane listens on the configured host only (issue 27: it stays on the cluster's network).
 
 Mooncake binds its handshake port and its TCP data port to every interface whatever ``local_hostname`` says;
-``KVTransferEngine`` confines them (services/worker/bind_guard.py). Each engine runs in a child process, as a
+``KVTransferEngine`` and the Store client confine them (services/worker/bind_guard.py), and the Store's master
+gets its metrics/admin address as a flag. Each engine runs in a child process, as a
 worker's does, and the test reads that process's listening sockets from ``/proc/<pid>`` (``ss -ltnp``'s
 source) and connects to them through another address of this host: one on ``lo``, added for the test.
 """
@@ -16,6 +17,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -24,7 +26,13 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.config import Config, StoreConfig
+from services.common.instance_record import StoreRecord
+from services.common.registry import InstanceEvent
+from services.store.master import StoreMaster
 from services.worker.bind_guard import ExposedListenerError, confined
+from services.worker.engine_port import KVLayout
+from services.worker.kv_store import KVStore
 from services.worker.transfer import KVTransferEngine
 
 POOL_BYTES = 1 << 20
@@ -158,3 +166,35 @@ def test_a_listener_left_on_every_interface_is_refused() -> None:
         sock.bind(("0.0.0.0", 0))
         sock.listen()
     sock.close()
+
+
+def test_the_store_master_and_a_store_client_listen_on_their_host_only() -> None:
+    master = StoreMaster(StoreConfig(), "127.0.0.1")
+    master.ensure_running()
+    try:
+        assert master.wait_accepting(), "mooncake_master did not come up"
+        assert master.pid is not None
+        deadline = time.monotonic() + 10
+        while len(sockets := listening(master.pid)) < 2 and time.monotonic() < deadline:  # RPC and metrics
+            time.sleep(0.1)
+        assert master.port in {port for _, port in sockets}
+        assert len(sockets) >= 2 and {address for address, _ in sockets} == {"127.0.0.1"}, sockets
+
+        before = listening(os.getpid())
+        pool = torch.zeros(16 * BLOCK, dtype=torch.uint8)
+        config = Config()
+        config.store = StoreConfig(enabled=True, segment_mb=16)
+        layout = KVLayout(block_size=16, num_blocks=16, bytes_per_block=BLOCK, base_address=pool.data_ptr(),
+                          num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", max_model_len=1024,
+                          vocab_size=256)  # fmt: skip
+        store = KVStore(config, layout)
+        record = StoreRecord("store", "store-0", "127.0.0.1:1", master_address=master.address, generation=1)
+        store.on_event(InstanceEvent("put", "store", "store-0", record))
+        deadline = time.monotonic() + 60
+        while not store.connected:
+            assert time.monotonic() < deadline, "the store client never connected"
+            time.sleep(0.05)
+        opened = listening(os.getpid()) - before  # the client's own Transfer Engine
+        assert len(opened) >= 2 and {address for address, _ in opened} == {"127.0.0.1"}, opened
+    finally:
+        master.stop()

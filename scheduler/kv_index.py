@@ -45,13 +45,23 @@ class KVIndex:
     ) -> bool:
         """Apply one event batch; returns True when the instance must resend its full inventory."""
         if full:
-            self.drop_instance(instance)
-            self._inventory[instance] = set()
-        elif self._seq.get(instance) != seq - 1:
+            self.replace(instance, seq, set(stored).difference(removed))
+            return False
+        if self._seq.get(instance) != seq - 1:
             return True
         self._seq[instance] = seq
         self.update(instance, stored, removed)
         return False
+
+    def replace(self, instance: str, seq: int, inventory: set[bytes]) -> None:
+        """Make ``inventory`` the instance's whole inventory as of ``seq`` (a full resync).
+
+        Only the difference is applied: blocks held before and after keep their entries throughout, so a
+        prefix match never sees the instance lose blocks it still holds.
+        """
+        held = self._inventory.setdefault(instance, set())
+        self.update(instance, inventory - held, held - inventory)
+        self._seq[instance] = seq
 
     def update(self, instance: str, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
         """Apply a delta that carries no sequence number (the Store's entries: a set with many writers)."""

@@ -2,18 +2,33 @@
 
 Both tiers: each worker's engine pool (the worker's own events, in sequence) and the Mooncake Store (the
 store service's instance id, fed by every worker that puts blocks or finds them gone).
+
+Invariants:
+
+* Only registered instances are indexed. kvmeta follows the cluster's etcd registrations (``follow``);
+  events from an instance it has not seen registered are refused with FAILED_PRECONDITION, so nothing
+  enters the index that a lease will not take out again. A worker that publishes before kvmeta's watch
+  saw its record (start-up) is refused and gets in at its next heartbeat with its full inventory.
+* When a registration goes (lease ended: crash, drain, partition), everything kvmeta holds for the
+  instance goes with it: its blocks, its sequence number, a half-received chunked resync.
+* A full inventory too large for one message comes in chunks (services/kvmeta/resync.py): while they
+  arrive the instance's entries only grow, and at the last chunk they become exactly the inventory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
+
+import grpc
 
 from kvconductor.v1 import common_pb2, kvmeta_pb2, kvmeta_pb2_grpc
 from scheduler.kv_index import KVIndex
 from services.common.instance_record import StoreRecord
-from services.common.registry import InstanceEvent
-from services.common.rpc import Service
+from services.common.registry import InstanceEvent, Registry, RegistryWatch
+from services.common.rpc import RpcError, Service
+from services.kvmeta.resync import ChunkedResyncs, ChunkGap
 
 log = logging.getLogger(__name__)
 
@@ -23,27 +38,51 @@ class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
 
     def __init__(self) -> None:
         self.index = KVIndex()
+        self.resyncs = ChunkedResyncs(self.index)
+        self.registered: dict[str, str] = {}  # instance id -> role, as the etcd watch last saw them
         self._store_generation: dict[str, int] = {}  # store service -> the start of its master indexed
 
     async def PublishEvents(  # noqa: N802
         self, request: kvmeta_pb2.PublishEventsRequest, context: Any
     ) -> kvmeta_pb2.PublishEventsResponse:
-        """Apply a worker's event batch."""
-        if not request.instance_id:
+        """Apply a worker's event batch (or one chunk of its full inventory)."""
+        instance = request.instance_id
+        if not instance:
             raise ValueError("instance_id is required")
+        if instance not in self.registered:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"instance {instance!r} is not registered in this cluster's etcd (or kvmeta has not seen its "
+                "record yet): its KV events are refused until it is",
+            )
         if request.tier == common_pb2.KV_TIER_STORE:
-            self.index.update(request.instance_id, request.stored_block_hashes, request.removed_block_hashes)
+            self.index.update(instance, request.stored_block_hashes, request.removed_block_hashes)
             return kvmeta_pb2.PublishEventsResponse()
+        if request.full_inventory and request.num_chunks > 1:
+            return self._chunk(request)
+        self.resyncs.discard(instance)  # the chunks of a resync come back to back: anything else abandons it
         resync = self.index.apply(
-            request.instance_id,
-            request.seq,
-            request.stored_block_hashes,
-            request.removed_block_hashes,
+            instance, request.seq, request.stored_block_hashes, request.removed_block_hashes,
             full=request.full_inventory,
-        )
+        )  # fmt: skip
         if resync:
-            log.info("event gap from %s at seq %d: asking for its inventory", request.instance_id, request.seq)
+            log.info("event gap from %s at seq %d: asking for its inventory", instance, request.seq)
         return kvmeta_pb2.PublishEventsResponse(resync_required=resync)
+
+    def _chunk(self, request: kvmeta_pb2.PublishEventsRequest) -> kvmeta_pb2.PublishEventsResponse:
+        """Apply one chunk of a full inventory (added at once; the blocks it did not name go at the last)."""
+        instance = request.instance_id
+        try:
+            done = self.resyncs.add(
+                instance, request.seq, request.chunk_index, request.num_chunks, request.stored_block_hashes
+            )
+        except ChunkGap as e:
+            log.info("%s: asking for the inventory again", e)
+            return kvmeta_pb2.PublishEventsResponse(resync_required=True)
+        if done:
+            log.info("%s resynced: %d blocks in %d chunks", instance, self.index.num_blocks(instance),
+                     request.num_chunks)  # fmt: skip
+        return kvmeta_pb2.PublishEventsResponse()
 
     async def MatchPrefix(  # noqa: N802
         self, request: kvmeta_pb2.MatchPrefixRequest, context: Any
@@ -57,21 +96,34 @@ class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
         )
 
     def on_instance_event(self, event: InstanceEvent) -> None:
-        """Drop an instance's blocks when its registration disappears (crash or drain).
+        """Follow the registrations; drop an instance's blocks when its registration disappears (crash or drain).
 
         The Store's entries go too when its master starts again: a new master holds nothing.
         """
         if event.kind == "delete":
+            self.registered.pop(event.instance_id, None)
             self._store_generation.pop(event.instance_id, None)
+            self.resyncs.discard(event.instance_id)
             dropped = self.index.drop_instance(event.instance_id)
             log.info("instance %s left: dropped %d blocks", event.instance_id, dropped)
-        elif isinstance(event.record, StoreRecord):
+            return
+        self.registered[event.instance_id] = event.role
+        if isinstance(event.record, StoreRecord):
             known = self._store_generation.get(event.instance_id)
             self._store_generation[event.instance_id] = event.record.generation
             if known is not None and known != event.record.generation:
                 dropped = self.index.drop_instance(event.instance_id)
                 log.info("the Store's master restarted (start %d): dropped its %d blocks", event.record.generation,
                          dropped)  # fmt: skip
+
+    def follow(self, registry: Registry) -> RegistryWatch:
+        """Watch ``registry``'s instances, applying each change on the running event loop (the handlers' own)."""
+        loop = asyncio.get_running_loop()
+
+        def on_event(event: InstanceEvent) -> None:
+            loop.call_soon_threadsafe(self.on_instance_event, event)
+
+        return registry.watch(on_event)
 
 
 def services(servicer: KvMetaServicer) -> list[Service]:

@@ -5,6 +5,13 @@ call was lost) or a call fails, the next publish to that replica sends the full 
 delta, so each index converges without the worker ever failing a request because a kvmeta is away. The
 replicas are the kvmeta instances registered in etcd, re-listed at every heartbeat: a new replica gets the
 full inventory within one heartbeat, and losing one leaves the others' indexes whole.
+
+A full inventory goes in chunks of at most ``MESSAGE_BUDGET`` bytes of block hashes (a pool of 190,464
+blocks is 6.2 MiB, over gRPC's 4 MiB limit), counted from each entry's wire size; kvmeta adds each chunk's
+blocks and, at the last chunk, removes those the inventory lacks (services/kvmeta/resync.py). A delta over
+the budget is sent as a full inventory instead. A kvmeta that
+refuses the events (FAILED_PRECONDITION: it has not seen this instance registered yet) is treated like
+an unreachable one: the full inventory goes again at the next publish or heartbeat.
 """
 
 from __future__ import annotations
@@ -21,6 +28,29 @@ from services.common.registry import Registry
 from services.common.rpc import channel
 
 log = logging.getLogger(__name__)
+# Bytes of block hashes per PublishEvents call: a quarter of gRPC's default 4 MiB limit, leaving room for
+# the other fields (an instance id, a few integers) many times over.
+MESSAGE_BUDGET = 1 << 20
+
+
+def entry_bytes(block_hash: bytes) -> int:
+    """Wire size of one entry of a repeated ``bytes`` field numbered below 16: tag, length varint, the hash."""
+    n = len(block_hash)
+    return 1 + max(1, (n.bit_length() + 6) // 7) + n
+
+
+def chunks(hashes: Sequence[bytes], budget: int = MESSAGE_BUDGET) -> list[list[bytes]]:
+    """``hashes`` cut in order into runs of at most ``budget`` wire bytes each (one empty run for none)."""
+    runs: list[list[bytes]] = [[]]
+    size = 0
+    for h in hashes:
+        n = entry_bytes(h)
+        if size + n > budget and runs[-1]:
+            runs.append([])
+            size = 0
+        runs[-1].append(h)
+        size += n
+    return runs
 
 
 @dataclass
@@ -30,6 +60,7 @@ class Replica:
     address: str
     channel: grpc.aio.Channel
     resync: bool = True
+    failing: bool = False  # the last call failed (logged once per outage, not at every retry)
 
     @property
     def stub(self) -> kvmeta_pb2_grpc.KvMetaStub:
@@ -40,10 +71,13 @@ class Replica:
 class KvEventPublisher:
     """Delta publishing with resync on a gap, to each kvmeta; the worker's inventory is tracked here."""
 
-    def __init__(self, registry: Registry, instance_id: str, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, registry: Registry, instance_id: str, timeout_s: float = 2.0, budget: int = MESSAGE_BUDGET
+    ) -> None:
         self.registry = registry
         self.instance_id = instance_id
         self.timeout_s = timeout_s
+        self.budget = budget
         self.inventory: set[bytes] = set()
         self._seq = 0
         self._replicas: dict[str, Replica] = {}  # kvmeta instance id -> replica
@@ -94,26 +128,58 @@ class KvEventPublisher:
             await asyncio.gather(*(send(r) for r in self._replicas.values()))
 
     async def _send(self, replica: Replica, seq: int, stored: list[bytes], removed: list[bytes]) -> None:
-        full = replica.resync
-        request = kvmeta_pb2.PublishEventsRequest(
-            instance_id=self.instance_id,
-            seq=seq,
-            stored_block_hashes=sorted(self.inventory) if full else stored,
-            removed_block_hashes=[] if full else removed,
-            full_inventory=full,
-        )
+        """The delta under ``seq``; the full inventory instead when the replica is owed it or the delta is too big."""
+        if not replica.resync and sum(map(entry_bytes, stored)) + sum(map(entry_bytes, removed)) <= self.budget:
+            request = kvmeta_pb2.PublishEventsRequest(
+                instance_id=self.instance_id, seq=seq, stored_block_hashes=stored, removed_block_hashes=removed
+            )
+            response = await self._call(replica, request)
+            if response is None or not response.resync_required:
+                return
+            # the gap is this replica's: the inventory goes to it alone, under the same number
+        await self._resync(replica, seq)
+
+    async def _resync(self, replica: Replica, seq: int) -> None:
+        """The full inventory under ``seq``, in chunks within the budget; ``replica.resync`` clears once all landed.
+
+        A failed or refused chunk leaves ``resync`` set: the next publish (at the latest the next heartbeat)
+        starts over at chunk 0, and kvmeta keeps the inventory it had until a resync completes.
+        """
+        replica.resync = True
+        parts = chunks(sorted(self.inventory), self.budget)
+        for index, part in enumerate(parts):
+            request = kvmeta_pb2.PublishEventsRequest(
+                instance_id=self.instance_id, seq=seq, stored_block_hashes=part, full_inventory=True,
+                chunk_index=index, num_chunks=len(parts),
+            )  # fmt: skip
+            response = await self._call(replica, request)
+            if response is None:
+                return
+            if response.resync_required:  # kvmeta lost the chunks staged so far (it restarted)
+                log.info("kvmeta at %s dropped chunk %d of our inventory; resending it", replica.address, index)
+                return
+        replica.resync = False
+
+    async def _call(
+        self, replica: Replica, request: kvmeta_pb2.PublishEventsRequest
+    ) -> kvmeta_pb2.PublishEventsResponse | None:
+        """One PublishEvents; None (and ``resync`` set) when it failed or kvmeta refused it."""
         try:
-            response = await replica.stub.PublishEvents(request, timeout=self.timeout_s)
+            response: kvmeta_pb2.PublishEventsResponse = await replica.stub.PublishEvents(
+                request, timeout=self.timeout_s
+            )
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             task = asyncio.current_task()
             if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
                 raise  # our caller is being cancelled; a call cancelled under us (closed channel) is kvmeta's
-            log.warning("kvmeta at %s unreachable (%s); will resend the full inventory", replica.address, _reason(e))
-            replica.resync = True
-            return
-        replica.resync = response.resync_required
-        if replica.resync:  # the gap is this replica's: the inventory goes to it alone, under the same number
-            await self._send(replica, seq, [], [])
+            level = logging.DEBUG if replica.failing else logging.WARNING
+            log.log(level, "kvmeta at %s: %s; will resend the full inventory", replica.address, _reason(e))
+            replica.resync = replica.failing = True
+            return None
+        if replica.failing:
+            log.info("kvmeta at %s takes our events again", replica.address)
+            replica.failing = False
+        return response
 
     async def _list(self) -> None:
         """Follow the registered kvmeta instances (a channel to each new one; closed for those gone)."""
@@ -141,4 +207,8 @@ class KvEventPublisher:
 
 
 def _reason(error: BaseException) -> str:
-    return error.code().name if isinstance(error, grpc.aio.AioRpcError) else "call cancelled"
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return "call cancelled"
+    if error.code() == grpc.StatusCode.FAILED_PRECONDITION:  # refused: say why (not registered yet)
+        return f"{error.code().name} ({error.details()})"
+    return str(error.code().name)

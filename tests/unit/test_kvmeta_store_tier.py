@@ -23,6 +23,8 @@ def test_store_entries_come_from_many_writers_without_sequence_and_go_with_a_new
     kvmeta = KvMetaServicer()
     h = [bytes([i]) * 32 for i in range(5)]
     kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(1)))
+    prefill = InstanceRecord("prefill", "prefill-0", "127.0.0.1:3")  # only registered instances publish
+    kvmeta.on_instance_event(InstanceEvent("put", "prefill", "prefill-0", prefill))
     assert not _publish(kvmeta, "store-0", h[:3]).resync_required  # prefill-0 put three blocks
     assert not _publish(kvmeta, "store-0", h[3:]).resync_required  # prefill-1 the other two: no sequence, no gap
     assert kvmeta.index.match_prefix(h).prefix_blocks == {"store-0": 5}

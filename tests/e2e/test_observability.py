@@ -53,7 +53,7 @@ def test_one_trace_spans_gateway_conductor_kvmeta_prefill_transfer_and_decode(cl
     deadline = time.monotonic() + 10
     while True:
         spans = _spans(cluster.run_dir)
-        generate = [s for s in spans if s["attributes"].get("kvconductor.request_id") == "traced-1"]
+        generate = [s for s in spans if s["attributes"].get("kvconductor.client_request_id") == "traced-1"]
         if generate or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -16,8 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -37,18 +36,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_BLOCKS = 190_464  # an emulated prefill pool of deploy/emulated.toml
 TTL = 2  # lease TTL of every instance here (etcd's minimum)
 HEARTBEAT_S = 2.0  # the worker's KV-event heartbeat (Worker.heartbeat_kv_events)
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EmbeddedEtcd]:
-    with EmbeddedEtcd() as server:
-        yield server
-
-
-@pytest.fixture
-def cluster() -> str:
-    """A per-test cluster name, so tests never see each other's keys."""
-    return f"test-{uuid.uuid4().hex[:8]}"
 
 
 def worker_record(instance_id: str) -> WorkerRecord:

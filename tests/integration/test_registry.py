@@ -6,30 +6,15 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-
-import pytest
 
 from cli.etcd_server import EmbeddedEtcd
 from services.common.instance_record import InstanceRecord
 from services.common.registry import InstanceEvent, Registry, _parse_endpoint, connect
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EmbeddedEtcd]:
-    with EmbeddedEtcd() as server:
-        yield server
-
-
-@pytest.fixture
-def cluster() -> str:
-    """A per-test cluster name, so tests never see each other's keys."""
-    return f"test-{uuid.uuid4().hex[:8]}"
 
 
 class Events:

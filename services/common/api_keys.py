@@ -103,10 +103,8 @@ def _refusal(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield  # never reached: a streaming handler is an async generator
 
-    serialization = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
+    # The request is never parsed: a caller without a key learns nothing, not even what its bytes were.
+    serialization = {"request_deserializer": lambda _: None, "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(refuse, **serialization)
     if handler.unary_stream is not None:

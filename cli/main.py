@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 
 from cli.serve import ROLES
 from services.common.api_keys import use_api_key
-from services.common.config import ConfigError, load_config
+from services.common.config import Config, ConfigError, check_trust, exposed_addresses, load_config
 from services.common.rpc import Tls, use_tls
 
 DESCRIPTION = """\
@@ -102,6 +102,18 @@ def _setup_logging(level: str, name: str) -> None:
     )
 
 
+def _check_trust(config: Config, role: str) -> None:
+    """Refuse an exposed address without its credential (ConfigError); warn when the opt-out allows it."""
+    check_trust(config, role)
+    exposed = exposed_addresses(config, role)
+    if config.cluster.insecure_network and exposed:
+        logging.getLogger("kvconductor.security").warning(
+            "[cluster] insecure_network = true: %s reachable from the network without the credentials the "
+            "trust model asks for (mutual TLS, etcd TLS, API keys); anyone on the network can call them",
+            ", ".join(f"{key} {host}" for key, host in exposed),
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvconductor`` console script."""
     args = _parser().parse_args(argv)
@@ -127,11 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             from cli.launcher import up
 
             _setup_logging(config.telemetry.log_level, "up")
+            _check_trust(config, "up")
             return up(args.config, args.set, args.run_dir)
         if args.command == "serve":
             from cli.serve import run
 
             _setup_logging(config.telemetry.log_level, args.id)
+            _check_trust(config, args.role)
             return run(config, args.role, args.id)
         if args.command == "generate":
             from cli.client import generate_main as generate_remote

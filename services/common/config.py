@@ -10,6 +10,7 @@ reference mirrors these docstrings.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import tomllib
 import types
@@ -62,6 +63,9 @@ class ClusterConfig:
     etcd_key_file: str = ""
     etcd_user: str = ""  # etcd authentication (password from the KVCONDUCTOR_ETCD_PASSWORD environment variable)
     run_dir: str = "runs"  # `kvconductor up` writes one log file per process under run_dir/<timestamp>
+    # Serve on a non-loopback address without mutual TLS between the services, without etcd TLS and (the
+    # gateway) without API keys: only on a network where every host is trusted. Logged at every start.
+    insecure_network: bool = False
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -293,7 +297,9 @@ class GatewayConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port
-    api_keys: list[str] = field(default_factory=list)  # accepted bearer keys; empty = open (warned)
+    # Accepted bearer keys, from the config file; never `--set` (argv is visible to every local user).
+    api_keys: list[str] = field(default_factory=list)
+    api_keys_file: str = ""  # more keys, one per line ('#' comments); with api_keys empty = open (warned)
     max_request_bytes: int = 1 << 20  # larger bodies get 413
     max_concurrent_requests: int = 1024  # generations in flight through this gateway; more get 429
     tls_cert_file: str = ""  # serve HTTPS with this PEM certificate and key; "" = HTTP
@@ -306,6 +312,12 @@ class GatewayConfig:
         _check(self.max_concurrent_requests >= 1, "[gateway] max_concurrent_requests", "must be >= 1")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "[gateway] tls_cert_file", "needs tls_key_file too")
         _check(all(k.strip() for k in self.api_keys), "[gateway] api_keys", "an empty key would let anyone in")
+        if self.api_keys_file:
+            path = Path(self.api_keys_file)
+            _check(path.is_file(), "[gateway] api_keys_file", f"no such file: {path}")
+            keys = [k.strip() for k in path.read_text().splitlines() if k.strip() and not k.lstrip().startswith("#")]
+            _check(bool(keys), "[gateway] api_keys_file", f"{path} holds no key")
+            self.api_keys = [*self.api_keys, *(k for k in keys if k not in self.api_keys)]
         for key in ("tls_cert_file", "tls_key_file"):
             path = getattr(self, key)
             _check(not path or Path(path).is_file(), f"[gateway] {key}", f"no such file: {path}")
@@ -459,6 +471,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         key, sep, raw = override.partition("=")
         section, dot, name = key.strip().partition(".")
         _check(bool(sep and dot and section and name), f"--set {override!r}", "must look like section.key=value")
+        _check(
+            (section.strip(), name.strip()) != ("gateway", "api_keys"),
+            "--set gateway.api_keys",
+            "keys never go on the command line (every local user can read it in /proc/*/cmdline): put them in "
+            "a file named by [gateway] api_keys_file, or in the config file",
+        )
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
@@ -479,6 +497,66 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         _apply(getattr(config, section), section, values)
     config.validate()
     return config
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is reachable from this machine only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost resolves to whatever DNS says: assume the network
+
+
+# The roles that serve the OpenAI REST API, and the key of the address it binds: the gateway's own, a
+# colocated worker's next to its gRPC port (services/worker/worker_http.py).
+REST_HOSTS = {"gateway": "[gateway] host", "colocated": "[cluster] host", "up": "[gateway] host"}
+
+
+def exposed_addresses(config: Config, role: str = "up") -> list[tuple[str, str]]:
+    """(key, host) of every address that ``role``'s process binds or calls and that is not loopback.
+
+    ``role``: one of cli/serve.py's ROLES, or "up" (the launcher of every role) or "client" (status, explain).
+    """
+    c = config.cluster
+    found = [("[cluster] host", c.host), ("[cluster] scheduler_endpoint", c.scheduler_endpoint.rpartition(":")[0])]
+    found += [("[cluster] etcd_endpoints", e.rpartition(":")[0]) for e in c.etcd_endpoints]
+    if role in ("gateway", "up"):
+        found.append(("[gateway] host", config.gateway.host))
+    return [(key, host) for key, host in found if not is_loopback(host)]
+
+
+def check_trust(config: Config, role: str = "up") -> None:
+    """The trust model: loopback alone is trusted; off loopback, every port needs its credential.
+
+    gRPC between the services needs mutual TLS, etcd needs TLS and a client credential, and a REST API (the
+    gateway's, a colocated worker's) needs API keys, unless ``[cluster] insecure_network`` says the network
+    is trusted. The KV data plane (the Mooncake Transfer Engine) and the Store's master have no credential of
+    their own: they bind ``[cluster] host`` only, and off loopback a network policy must keep them to the
+    pods that move KV (deploy/k8s does). Raises ConfigError naming the key.
+    """
+    if config.cluster.insecure_network:
+        return
+    c = config.cluster
+    credentials = {  # what each kind of exposed address needs: (present, what to set)
+        "tls": (bool(c.tls_cert_file), "[cluster] tls_cert_file, tls_key_file and tls_ca_file (mutual TLS)"),
+        "etcd tls": (bool(c.etcd_ca_file), "[cluster] etcd_ca_file (etcd over TLS)"),
+        "etcd client": (bool(c.etcd_cert_file or c.etcd_user), "[cluster] etcd_cert_file or etcd_user"),
+        "keys": (bool(config.gateway.api_keys), "[gateway] api_keys_file (bearer keys)"),
+    }
+    needs = {"[cluster] host": ["tls"], "[cluster] scheduler_endpoint": ["tls"],
+             "[cluster] etcd_endpoints": ["etcd tls", "etcd client"], "[gateway] host": []}  # fmt: skip
+    for key, host in exposed_addresses(config, role):
+        for need in needs[key] + (["keys"] if key == REST_HOSTS.get(role) else []):
+            present, what = credentials[need]
+            _check(
+                present,
+                key,
+                f"{host} is not a loopback address: set {what}, or, on a network where every host is trusted, "
+                "[cluster] insecure_network = true",
+            )
 
 
 # Keys that are gone, and what to write instead.

@@ -71,6 +71,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
             "--set", "cluster.drain_grace_s=1", "--set", "prefill.kv_cache_memory_mb=64",
             "--set", "decode.kv_cache_memory_mb=64", "--set", "prefill.max_num_batched_tokens=256",
             "--set", "scheduler.reject_on_slo_violation=false",
+            "--set", "cluster.insecure_network=true",  # the namespaces are this test's own network
             "--set", f'telemetry.trace_dir="{scratch / "traces"}"',
         ]  # fmt: skip
 

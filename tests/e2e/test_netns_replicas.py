@@ -52,6 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
             "--set", f'cluster.etcd_endpoints=["{etcd.endpoint}"]', "--set", "cluster.lease_ttl_s=2",
             "--set", "cluster.kv_transfer_timeout_s=3", "--set", "prefill.kv_cache_memory_mb=64",
             "--set", "decode.kv_cache_memory_mb=64", "--set", "scheduler.reject_on_slo_violation=false",
+            "--set", "cluster.insecure_network=true",  # the namespaces are this test's own network
             "--set", "scheduler.kv_cache_balancing_threshold=inf", "--set", f"scheduler.stall_timeout_s={STALL_S}",
             "--set", f'gateway.host="{net.hub}"', "--set", f"gateway.port={gateway_port}",
             "--set", f'telemetry.trace_dir="{scratch / "traces"}"',

@@ -1,6 +1,6 @@
 """TLS: HTTPS on the REST shim, mutual TLS on gRPC between the services, API keys on the public gRPC API.
 
-A self-signed CA made here signs the services' certificate. With ``[gateway] api_keys`` set, the
+A self-signed CA made here signs the services' certificate. With API keys (``[gateway] api_keys_file``), the
 Conductor's port takes TLS without a client certificate and wants a key; every other gRPC port (workers,
 kvmeta) takes only callers holding a certificate the CA signed.
 """
@@ -39,11 +39,13 @@ def pki(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory, model_dir, pki):
+    keys = pki / "api-keys"
+    keys.write_text(f"# the cluster's bearer keys\n{KEY}\n")
     with running_cluster(
         tmp_path_factory.mktemp("tls") / "run", model_dir, "prefill.node_count=1", "decode.node_count=1",
         f'cluster.tls_cert_file="{pki / "node.pem"}"', f'cluster.tls_key_file="{pki / "node.key"}"',
         f'cluster.tls_ca_file="{pki / "ca.pem"}"', f'gateway.tls_cert_file="{pki / "node.pem"}"',
-        f'gateway.tls_key_file="{pki / "node.key"}"', f'gateway.api_keys=["{KEY}"]',
+        f'gateway.tls_key_file="{pki / "node.key"}"', f'gateway.api_keys_file="{keys}"',
     ) as c:  # fmt: skip
         yield c
 

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.common.config import load_config
+from services.common.config import check_trust, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -25,9 +25,8 @@ TREES = ["base", "overlays/cpu", "overlays/gpu"]
 USER_MADE = {("Secret", "kvconductor-ca"), ("Secret", "kvconductor-api-keys"),
              ("PersistentVolumeClaim", "kvconductor-models")}  # fmt: skip
 WORKLOADS = ("Deployment", "StatefulSet")
-# What the downward API and the Secrets put into the --set overrides, for loading the config as a pod would.
-POD_VALUES = {"POD_NAME": "kvconductor-prefill-7d9f-x2k4q", "POD_IP": "10.1.2.3",
-              "KVCONDUCTOR_API_KEYS": '["sk-test"]'}  # fmt: skip
+# What the downward API puts into the --set overrides, for loading the config as a pod would.
+POD_VALUES = {"POD_NAME": "kvconductor-prefill-7d9f-x2k4q", "POD_IP": "10.1.2.3"}
 
 
 def render(tree: str) -> list[dict]:
@@ -68,6 +67,9 @@ def test_the_config_loads_as_every_pod_loads_it(objects, tmp_path):
     tls.mkdir()
     for name in ("tls.crt", "tls.key", "ca.crt"):
         (tls / name).touch()
+    keys = tmp_path / "api-keys"  # the Secret's file, mounted where the manifests name it
+    keys.mkdir()
+    (keys / "api_keys").write_text("sk-test\n")
     config = tmp_path / "config.toml"
     config.write_text(config_of(objects).replace("/var/run/kvconductor/tls", str(tls)))
     for name, template in pod_specs(objects):
@@ -75,9 +77,11 @@ def test_the_config_loads_as_every_pod_loads_it(objects, tmp_path):
         if container["args"][:1] != ["serve"]:
             continue  # etcd
         args = [re.sub(r"\$\((\w+)\)", lambda m: POD_VALUES[m[1]], a) for a in container["args"]]
+        args = [a.replace("/var/run/kvconductor/api-keys", str(keys)) for a in args]
         assert "--config=/etc/kvconductor/config.toml" in args, name
         overrides = [a.removeprefix("--set=") for a in args if a.startswith("--set=")]
         loaded = load_config(config, overrides)
+        check_trust(loaded, container["args"][1])  # every pod is off loopback: each has its credentials
         assert loaded.cluster.tls_cert_file, f"{name}: mutual TLS is on by default"
         if "--set=cluster.host=$(POD_IP)" in container["args"]:
             assert loaded.cluster.host == POD_VALUES["POD_IP"], name

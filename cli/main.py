@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.bench_main(args))
         config = load_config(args.config, args.set)
         c = config.cluster
-        use_tls(Tls.from_files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file, c.tls_server_name))
+        role = args.role if args.command == "serve" else "admin"  # whose certificate this process presents
+        use_tls(Tls.from_files(*c.tls_files(role), c.tls_server_name))
         use_api_key(config)
         if args.command == "up":
             from cli.launcher import up

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -98,21 +98,26 @@ def streamed_completion(rest: str, prompt: list[int], max_tokens: int, streaming
     return text
 
 
-def make_pki(directory: Path, common_name: str, subject_alt_names: str) -> Path:
-    """A test CA (``ca.pem``, ``ca.key``) and one certificate signed by it (``node.pem``, ``node.key``) for
-    ``subject_alt_names`` (openssl's syntax: ``IP:127.0.0.1,DNS:localhost``), good for serving and as a client."""
+def make_pki(directory: Path, common_name: str, subject_alt_names: str, roles: Sequence[str] = ()) -> Path:
+    """A test CA (``ca.pem``, ``ca.key``) and certificates signed by it for ``subject_alt_names`` (openssl's
+    syntax: ``IP:127.0.0.1,DNS:localhost``), good for serving and as a client: ``node.pem``/``node.key``
+    naming no role, and ``ROLE.pem``/``ROLE.key`` naming each of ``roles`` (services/common/access.py)."""
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
+    def issue(name: str, sans: str) -> None:
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={common_name}")  # fmt: skip
+        (directory / "ext.cnf").write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
             "-subj", "/CN=kvconductor test CA")  # fmt: skip
-    openssl(
-        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", f"/CN={common_name}"
-    )
-    (directory / "ext.cnf").write_text(f"subjectAltName={subject_alt_names}\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+    issue("node", subject_alt_names)
+    for role in roles:
+        issue(role, f"URI:spiffe://kvconductor/{role},{subject_alt_names}")
     return directory
 
 

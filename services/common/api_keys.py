@@ -1,10 +1,11 @@
 """API keys on the public gRPC API: the same bearer keys as the REST shim (``[gateway] api_keys``).
 
-With keys configured, every call to the Conductor's port carries ``authorization: Bearer KEY`` metadata
-or gets UNAUTHENTICATED; the health service stays open (load balancers and Kubernetes probe it). Keys,
-not certificates, are then the Conductor's credential, so with TLS its port asks for no client
-certificate (a user's client has none). Every other gRPC port (workers, kvmeta, the store service) keeps
-mutual TLS: only processes holding a certificate the cluster's CA signed reach them.
+With keys configured, every call to a ``kvconductor.v1.Conductor`` method (the Conductor's port, and the
+Conductor a colocated worker runs for its OpenAI endpoint) carries ``authorization: Bearer KEY`` metadata
+or gets UNAUTHENTICATED, before its request is parsed; health and reflection stay open (load balancers and
+Kubernetes probe them). Keys, not certificates, are then the Conductor's credential, so with TLS its port
+asks for no client certificate (a user's client has none). Every other gRPC port keeps mutual TLS and the
+role check of services/common/access.py.
 
 A process calls out with one key: ``KVCONDUCTOR_API_KEY`` when set, else the first configured key.
 """
@@ -21,7 +22,7 @@ import grpc
 
 from services.common.config import Config
 
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # callable without a key
+KEYED_METHODS = ("/kvconductor.v1.Conductor/",)  # the public API: a key is needed where keys are configured
 ENV_KEY = "KVCONDUCTOR_API_KEY"
 
 _key = ""  # the key this process sends; "" = none
@@ -68,7 +69,7 @@ class _CallDetails(
 
 
 class ApiKeyCheck(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a call without one of ``keys`` (health and reflection exempt)."""
+    """UNAUTHENTICATED for a call to the public API without one of ``keys``."""
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.keys = [k.encode() for k in keys]
@@ -84,10 +85,11 @@ class ApiKeyCheck(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        """Pass a call with a valid key (or to an open method) on; answer any other with UNAUTHENTICATED."""
+        """Pass a call with a valid key, or outside the public API, on; answer any other with UNAUTHENTICATED."""
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(OPEN_METHODS) or self.valid(handler_call_details.invocation_metadata):
+        keyed = method.startswith(KEYED_METHODS)
+        if handler is None or not keyed or self.valid(handler_call_details.invocation_metadata):
             return handler
         return _refusal(handler, method)
 

@@ -51,8 +51,11 @@ class ClusterConfig:
     # A worker whose engine loop has not turned for this long reports NOT_SERVING on its health service
     # (a frozen engine in a live process); it serves again once the loop turns.
     engine_heartbeat_timeout_s: float = 30.0
-    tls_cert_file: str = ""  # PEM certificate of this process for gRPC between services (mutual TLS); "" = plaintext
-    tls_key_file: str = ""  # its private key
+    # PEM certificate of this process for gRPC between services (mutual TLS); "" = plaintext. It names the
+    # process's role (URI SAN spiffe://kvconductor/ROLE, services/common/access.py); "{role}" in the path is
+    # replaced by the role, so one config names a certificate per role ("admin" for the command line).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""  # its private key ("{role}" as in tls_cert_file)
     tls_ca_file: str = ""  # CA that signed every service's certificate
     # The name a shared service certificate carries (its SAN), checked instead of each peer's address: one
     # certificate (cert-manager's) for every process; "" = each certificate names its own process's address.
@@ -93,7 +96,15 @@ class ClusterConfig:
         )
         for key in ("tls_cert_file", "tls_key_file", "tls_ca_file", "etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
             path = getattr(self, key)
-            _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file: {path}")
+            if "{role}" not in path:  # a file per role is looked for by the process of that role (tls_files)
+                _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file: {path}")
+
+    def tls_files(self, role: str) -> tuple[str, str, str]:
+        """Certificate, key and CA of a process of ``role`` (each "" without TLS)."""
+        files = (self.tls_cert_file.replace("{role}", role), self.tls_key_file.replace("{role}", role))
+        for key, path in zip(("tls_cert_file", "tls_key_file"), files, strict=True):
+            _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file for role {role}: {path}")
+        return (*files, self.tls_ca_file)
 
 
 MODEL_SOURCES = ("smollm2", "random", "")

@@ -31,6 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, get_current_span, use_span
 
+from services.common.access import RoleCheck
 from services.common.api_keys import ApiKeyCheck, WithKey, auth_metadata
 from services.common.instance_record import InstanceRecord
 from services.common.metrics import serve_metrics
@@ -338,11 +339,13 @@ async def serve(
     live: Callable[[], bool] | None = None,
     fatal: asyncio.Future[Any] | None = None,
     api_keys: Sequence[str] = (),
+    public: bool = False,
 ) -> bool:
     """Serve until SIGTERM/SIGINT or ``fatal`` resolves, registered in ``registry`` (when given).
 
-    With ``api_keys`` every call but health checks needs one of them (services/common/api_keys.py), and a
-    TLS port asks for no client certificate: the public API's credential is the key.
+    With ``api_keys`` every call to the public API (the Conductor service) needs one of them
+    (services/common/api_keys.py). With TLS every port asks for a client certificate and checks the role it
+    names (services/common/access.py), except a ``public`` port with keys: the key is its credential.
 
     The etcd record is ``record(address, metrics_address)``, by default the plain ``InstanceRecord``.
 
@@ -353,7 +356,10 @@ async def serve(
     Returns False after a fatal stop, True after a signal.
     """
     services = list(services)
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    mutual = _tls is not None and not (public and api_keys)
+    # Outermost first: the caller's role, then malformed bytes and errors, then the key.
+    interceptors: list[grpc.aio.ServerInterceptor] = [RoleCheck()] if mutual else []
+    interceptors.append(ErrorInterceptor())
     if api_keys:
         interceptors.append(ApiKeyCheck(api_keys))
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
@@ -367,7 +373,7 @@ async def serve(
     bound = (
         server.add_insecure_port(target)
         if _tls is None
-        else server.add_secure_port(target, _tls.server_credentials(mutual=not api_keys))
+        else server.add_secure_port(target, _tls.server_credentials(mutual=mutual))
     )
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")

@@ -26,7 +26,7 @@ async def run(config: Config, instance_id: str) -> None:
         conductor.services(servicer), host, int(port), registry=registry, role="conductor",
         instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
         live=view.can_serve,  # health (and the gateway's /health) is SERVING once a request could be served
-        api_keys=config.gateway.api_keys,  # the public API takes the REST shim's keys
+        api_keys=config.gateway.api_keys, public=True,  # the public API takes the REST shim's keys
     )  # fmt: skip
     watch.cancel()
     shared.cancel()

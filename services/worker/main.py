@@ -57,6 +57,7 @@ async def run(config: Config, role: str, instance_id: str) -> int:
         record=worker.record, on_stop=on_stop, metrics_port=config.telemetry.metrics_port,
         on_bound=endpoint.start if endpoint is not None else None, grace_s=config.cluster.drain_grace_s,
         live=lambda: worker.engine.heartbeat()[1] < heartbeat_timeout, fatal=worker.engine.died,
+        api_keys=config.gateway.api_keys if endpoint is not None else (),  # its own Conductor's public API
     )  # fmt: skip
     return 0 if graceful else EXIT_ENGINE_DIED
 

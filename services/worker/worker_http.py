@@ -5,7 +5,8 @@ colocated worker also runs the REST shim (``/health``, ``/v1/models``, ``/v1/com
 ``/v1/chat/completions``, ``/tokenize``, ``/get_load``) over a Conductor of its own: the same Conductor
 code, with a view that holds only this worker, served on the worker's gRPC server; it admits by the SLO as
 the Conductor does unless ``[scheduler] worker_endpoint_admission`` is off. The shim runs on its own thread
-and event loop; its URL is published in the worker's etcd record as ``openai_url``.
+and event loop; its URL is published in the worker's etcd record as ``openai_url`` (HTTPS with the worker's
+certificate when the cluster runs TLS; API keys as on the gateway).
 """
 
 from __future__ import annotations
@@ -60,13 +61,22 @@ class WorkerEndpoint:
             cluster=replace(config.cluster, scheduler_endpoint=address),
             gateway=replace(config.gateway, host=config.cluster.host, port=port),
         )
+        # With TLS in the cluster the endpoint serves HTTPS with the worker's own certificate.
+        cert, key, _ = config.cluster.tls_files(self.worker.role)
         self._server = uvicorn.Server(
-            uvicorn.Config(create_app(local, discover=False), host=config.cluster.host, port=port, log_level="warning")
+            uvicorn.Config(
+                create_app(local, discover=False),
+                host=config.cluster.host,
+                port=port,
+                log_level="warning",
+                ssl_certfile=cert or None,
+                ssl_keyfile=key or None,
+            )  # fmt: skip
         )
         # On a thread of its own: uvicorn installs signal handlers only on the main thread.
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
         self._thread.start()
-        self.worker.openai_url = f"http://{config.cluster.host}:{port}"
+        self.worker.openai_url = f"{'https' if cert else 'http'}://{config.cluster.host}:{port}"
 
     def stop(self) -> None:
         """Stop the shim."""

@@ -1,7 +1,8 @@
 """Bytes that are not a message, through the interceptors every service runs: INVALID_ARGUMENT, or first the key.
 
 A real grpc.aio server with the chain :func:`services.common.rpc.serve` builds (errors, then API keys) and the
-KvMeta service (a servicer that accepts every publish): well-formed bytes reach it, malformed ones never do.
+Conductor's keyed service (a servicer that answers every status call): well-formed bytes reach it, malformed ones
+never do, and without a key they are not even parsed.
 """
 
 from __future__ import annotations
@@ -12,28 +13,27 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
+from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
 from services.common.api_keys import ApiKeyCheck
 from services.common.rpc import ErrorInterceptor
 
 KEY = (("authorization", "Bearer k"),)
-PUBLISH = "/kvconductor.v1.KvMeta/PublishEvents"
+STATUS = "/kvconductor.v1.Conductor/GetStatus"
 REFLECT = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 CORRUPT = b"\x0a\x10abc"  # field 1, 16 bytes long, 3 bytes sent
 
 
-class AcceptingKvMeta(kvmeta_pb2_grpc.KvMetaServicer):
-    async def PublishEvents(self, request, context):  # noqa: N802 - the generated method name
-        assert request.instance_id == "w"
-        return kvmeta_pb2.PublishEventsResponse()
+class AnsweringConductor(conductor_pb2_grpc.ConductorServicer):
+    async def GetStatus(self, request, context):  # noqa: N802 - the generated method name
+        return conductor_pb2.GetStatusResponse()
 
 
 @pytest.fixture
 async def address() -> AsyncIterator[str]:
     server = grpc.aio.server(interceptors=[ErrorInterceptor(), ApiKeyCheck(["k"])])
-    kvmeta_pb2_grpc.add_KvMetaServicer_to_server(AcceptingKvMeta(), server)
-    reflection.enable_server_reflection(["kvconductor.v1.KvMeta", reflection.SERVICE_NAME], server)
+    conductor_pb2_grpc.add_ConductorServicer_to_server(AnsweringConductor(), server)
+    reflection.enable_server_reflection(["kvconductor.v1.Conductor", reflection.SERVICE_NAME], server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     yield f"127.0.0.1:{port}"
@@ -57,17 +57,17 @@ async def code_of(
 
 
 async def test_malformed_bytes_with_a_key_are_invalid_argument_naming_the_message(address: str) -> None:
-    code, details = await code_of(address, PUBLISH, CORRUPT, KEY)
+    code, details = await code_of(address, STATUS, CORRUPT, KEY)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "malformed request" in details and "PublishEventsRequest" in details
-    well_formed = kvmeta_pb2.PublishEventsRequest(instance_id="w").SerializeToString()
-    assert (await code_of(address, PUBLISH, well_formed, KEY))[0] == grpc.StatusCode.OK
+    assert "malformed request" in details and "GetStatusRequest" in details
+    well_formed = conductor_pb2.GetStatusRequest().SerializeToString()
+    assert (await code_of(address, STATUS, well_formed, KEY))[0] == grpc.StatusCode.OK
 
 
 async def test_without_a_key_the_bytes_are_never_parsed(address: str) -> None:
-    code, details = await code_of(address, PUBLISH, CORRUPT)
+    code, details = await code_of(address, STATUS, CORRUPT)
     assert code == grpc.StatusCode.UNAUTHENTICATED, details
-    assert "PublishEventsRequest" not in details
+    assert "GetStatusRequest" not in details
 
 
 async def test_a_malformed_message_in_a_client_stream_ends_the_call(address: str) -> None:

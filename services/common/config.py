@@ -47,6 +47,9 @@ class ClusterConfig:
     transfer_backend: str = "tcp"  # "tcp" (any host) or "rdma" (needs RDMA NICs)
     transfer_bandwidth_gbps: float = 10.0  # prior for T_transfer and T_send until transfers measure the link
     kv_transfer_timeout_s: float = 30.0  # bound on a KV write; a reservation whose KV has not come by then is freed
+    # The longest a decode reservation waits for its prefill (Reserve.hold_s): the Conductor never plans a longer
+    # prefill, a decode worker refuses a longer hold, so no caller pins KV blocks at will.
+    max_reserve_hold_s: float = 600.0
     drain_grace_s: float = 10.0  # on SIGTERM a worker leaves etcd, then finishes in-flight work for this long
     # A worker whose engine loop has not turned for this long reports NOT_SERVING on its health service
     # (a frozen engine in a live process); it serves again once the loop turns.
@@ -84,6 +87,7 @@ class ClusterConfig:
         _check(self.transfer_backend in ("tcp", "rdma"), "[cluster] transfer_backend", 'must be "tcp" or "rdma"')
         _check(self.transfer_bandwidth_gbps > 0, "[cluster] transfer_bandwidth_gbps", "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "[cluster] kv_transfer_timeout_s", "must be > 0")
+        _check(0 < self.max_reserve_hold_s <= 86400, "[cluster] max_reserve_hold_s", "must be in (0, 86400]")
         _check(0 <= self.drain_grace_s <= 3600, "[cluster] drain_grace_s", "must be in 0..3600")
         _check(
             0 < self.engine_heartbeat_timeout_s <= 3600, "[cluster] engine_heartbeat_timeout_s", "must be in (0, 3600]"
@@ -536,6 +540,8 @@ def exposed_addresses(config: Config, role: str = "up") -> list[tuple[str, str]]
     found += [("[cluster] etcd_endpoints", e.rpartition(":")[0]) for e in c.etcd_endpoints]
     if role in ("gateway", "up"):
         found.append(("[gateway] host", config.gateway.host))
+    if config.engine.zmq_kv_events and role in ("prefill", "decode", "colocated", "up"):
+        found.append(("[engine] zmq_kv_events", c.host))  # its PUB socket binds [cluster] host
     return [(key, host) for key, host in found if not is_loopback(host)]
 
 
@@ -544,9 +550,10 @@ def check_trust(config: Config, role: str = "up") -> None:
 
     gRPC between the services needs mutual TLS, etcd needs TLS and a client credential, and a REST API (the
     gateway's, a colocated worker's) needs API keys, unless ``[cluster] insecure_network`` says the network
-    is trusted. The KV data plane (the Mooncake Transfer Engine) and the Store's master have no credential of
-    their own: they bind ``[cluster] host`` only, and off loopback a network policy must keep them to the
-    pods that move KV (deploy/k8s does). Raises ConfigError naming the key.
+    is trusted. The ZMQ KV-event feed has no credential at all: off loopback only that opt-out allows it. The
+    KV data plane (the Mooncake Transfer Engine) and the Store's master have no credential of their own: they
+    bind ``[cluster] host`` only, and off loopback a network policy must keep them to the pods that move KV
+    (deploy/k8s does). Raises ConfigError naming the key.
     """
     if config.cluster.insecure_network:
         return
@@ -556,9 +563,11 @@ def check_trust(config: Config, role: str = "up") -> None:
         "etcd tls": (bool(c.etcd_ca_file), "[cluster] etcd_ca_file (etcd over TLS)"),
         "etcd client": (bool(c.etcd_cert_file or c.etcd_user), "[cluster] etcd_cert_file or etcd_user"),
         "keys": (bool(config.gateway.api_keys), "[gateway] api_keys_file (bearer keys)"),
+        "no feed": (False, "[engine] zmq_kv_events = false (the ZMQ KV-event feed has no credential)"),
     }
     needs = {"[cluster] host": ["tls"], "[cluster] scheduler_endpoint": ["tls"],
-             "[cluster] etcd_endpoints": ["etcd tls", "etcd client"], "[gateway] host": []}  # fmt: skip
+             "[cluster] etcd_endpoints": ["etcd tls", "etcd client"], "[gateway] host": [],
+             "[engine] zmq_kv_events": ["no feed"]}  # fmt: skip
     for key, host in exposed_addresses(config, role):
         for need in needs[key] + (["keys"] if key == REST_HOSTS.get(role) else []):
             present, what = credentials[need]

@@ -484,7 +484,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Reserve on d, prefill on p into d's blocks (copying KV first if planned); release d on failure."""
         tokens, sampling = job.tokens, job.attempt_sampling
         bound = self._stall_bound(plan.prefill.ttft)
-        prefill_deadline = bound * (self.config.scheduler.stall_factor + 1)
+        prefill_deadline = min(bound * (self.config.scheduler.stall_factor + 1), self.config.cluster.max_reserve_hold_s)
         try:
             with blame(d.instance_id):
                 reserve = decode_pb2.ReserveRequest(

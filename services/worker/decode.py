@@ -9,8 +9,9 @@ Per request::
     Release: a reservation that will not be decoded
 
 A reservation whose Decode call has not come within its ``hold_s`` (the longest the Conductor lets the
-prefill take, its queue included) plus ``kv_transfer_timeout_s`` is released, so a prefill that died
-mid-way with its Conductor cannot pin decode memory (a live Conductor releases it at once).
+prefill take, its queue included; at most ``[cluster] max_reserve_hold_s``) plus ``kv_transfer_timeout_s``
+is released, so a prefill that died mid-way with its Conductor cannot pin decode memory (a live Conductor
+releases it at once).
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         if rid in self.reservations:
             raise ValueError(f"request {rid!r} already holds a reservation")
+        if not 0 <= request.hold_s <= w.config.cluster.max_reserve_hold_s:
+            raise ValueError(f"hold_s {request.hold_s:g} is outside 0..[cluster] max_reserve_hold_s "
+                             f"({w.config.cluster.max_reserve_hold_s:g})")  # fmt: skip
         if self.released.pop(rid, None) is not None:
             raise RpcError(grpc.StatusCode.CANCELLED, f"request {rid!r} was released before its reservation came")
         # held through the prefill the Conductor plans (its queue included), then kv_transfer_timeout_s
-        self.reservations[rid] = time.monotonic() + max(0.0, request.hold_s) + w.config.cluster.kv_transfer_timeout_s
+        self.reservations[rid] = time.monotonic() + request.hold_s + w.config.cluster.kv_transfer_timeout_s
         w.ledger.add(rid, request.booking)
         remote = request.remote_prefill
         remote_prefill = RemotePrefill(remote.engine_id, remote.bootstrap_addr) if remote.engine_id else None

@@ -128,6 +128,18 @@ async def test_a_reservation_is_held_through_the_prefill_the_conductor_planned(s
     assert served.servicer.reservations["short"] - time.monotonic() <= 30
 
 
+async def test_a_hold_longer_than_the_configured_bound_is_refused_and_pins_nothing(served):
+    for hold_s in (600.5, 1e9, -1.0):
+        request = decode_pb2.ReserveRequest(request_id="pin", num_prompt_tokens=len(PROMPT), sampling=_sampling(),
+                                            hold_s=hold_s)  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await served.stub.Reserve(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_reserve_hold_s" in refused.value.details()
+    assert "pin" not in served.servicer.reservations
+    await _all_free(served.engine)
+
+
 async def test_the_load_stream_shows_each_conductor_the_other_conductors_requests_until_they_end(served):
     booking = common_pb2.Booking(conductor_id="conductor-b", num_blocks=4, context_tokens=40, ttft_s=0.5)
     request = decode_pb2.ReserveRequest(request_id="rb", num_prompt_tokens=len(PROMPT), sampling=_sampling(),

@@ -52,6 +52,18 @@ def test_an_exposed_address_without_its_credential_is_refused_naming_the_key(clu
     check_trust(c, role)  # the opt-out lets it start (cli/main.py logs a warning)
 
 
+def test_the_zmq_event_feed_has_no_credential_so_off_loopback_only_the_opt_out_allows_it():
+    c = config({"host": "10.0.0.5", **TLS})
+    c.engine.zmq_kv_events = True
+    with pytest.raises(ConfigError, match=r"\[engine\] zmq_kv_events: 10.0.0.5 .* zmq_kv_events = false"):
+        check_trust(c, "prefill")
+    check_trust(c, "conductor")  # the Conductor opens no feed
+    c.cluster.host = "127.0.0.1"
+    check_trust(c, "prefill")
+    c.cluster.host, c.cluster.insecure_network = "10.0.0.5", True
+    check_trust(c, "prefill")
+
+
 def test_each_credential_clears_its_address():
     check_trust(config({"host": "10.0.0.5", **TLS}), "prefill")
     etcd = config({"etcd_endpoints": ["e:2379"], "etcd_user": "w"})

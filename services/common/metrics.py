@@ -3,21 +3,25 @@
 The series live in the default registry of each process: the Conductor's request series, the workers'
 KV-transfer series and a collector that reads the engine's live load at scrape time, the gateway's HTTP
 series. gRPC processes serve ``/metrics`` on their own port (published in their etcd record), with
-``/health`` beside it: plain HTTP for probes that cannot speak the gRPC health service over mutual TLS
-(a Kubernetes kubelet); the gateway serves both beside the REST API.
+``/health`` beside it, for probes that cannot speak the gRPC health service over mutual TLS (a Kubernetes
+kubelet): HTTPS when the cluster runs TLS, where only ``/metrics`` asks for a cluster certificate. The
+gateway serves both beside the REST API (``/metrics`` behind its API keys).
 """
 
 from __future__ import annotations
 
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
+HANDSHAKE_TIMEOUT_S = 10.0  # a metrics connection that has not sent its request by then is dropped
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
@@ -109,20 +113,45 @@ class EngineCollector(Collector):
 class _MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], serving: Callable[[], bool]) -> None:
+    def __init__(self, address: tuple[str, int], serving: Callable[[], bool], tls: ssl.SSLContext | None) -> None:
         super().__init__(address, _Handler)
         self.serving = serving
+        self.tls = tls
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """Accept; with TLS the handshake waits for the request's own thread (a slow client stalls no other)."""
+        conn, peer = super().get_request()
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, peer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A failed handshake or a client gone mid-request is the client's affair: no traceback."""
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _MetricsServer
+    timeout = HANDSHAKE_TIMEOUT_S
+
+    def setup(self) -> None:
+        """The TLS handshake, bounded, on this request's thread."""
+        super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
 
     def do_GET(self) -> None:  # noqa: N802
-        """``/health``: 200 while the process's gRPC health status is SERVING, else 503; any other path: metrics."""
+        """``/health``: 200 while the process's gRPC health status is SERVING, else 503; any other path: metrics.
+
+        With TLS the metrics need a client certificate the cluster's CA signed (a Prometheus scrape config's
+        ``tls_config``); ``/health`` says only serving or not, to anyone (the kubelet's probes carry none).
+        """
         if self.path.split("?", 1)[0] == "/health":
             serving = self.server.serving()
             code, kind = (200 if serving else 503), "application/json"
             body = b'{"status": "serving"}' if serving else b'{"status": "not serving"}'
+        elif isinstance(self.connection, ssl.SSLSocket) and not self.connection.getpeercert():
+            code, kind = 401, "application/json"
+            body = b'{"error": "metrics need a client certificate signed by the cluster CA"}'
         else:
             code, kind, body = 200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
         self.send_response(code)
@@ -135,9 +164,14 @@ class _Handler(BaseHTTPRequestHandler):
         """Scrapes and probes are not worth a log line."""
 
 
-def serve_metrics(host: str, port: int, serving: Callable[[], bool] = lambda: True) -> str:
-    """Serve ``/metrics`` and ``/health`` (``serving()``) from a background thread; returns "host:port"."""
-    server = _MetricsServer((host, port), serving)
+def serve_metrics(
+    host: str, port: int, serving: Callable[[], bool] = lambda: True, tls: ssl.SSLContext | None = None
+) -> str:
+    """Serve ``/metrics`` and ``/health`` (``serving()``) from a background thread; returns "host:port".
+
+    With ``tls`` the port speaks HTTPS and ``/metrics`` needs a client certificate the context's CA signed.
+    """
+    server = _MetricsServer((host, port), serving, tls)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return f"{host}:{server.server_port}"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,13 +243,24 @@ class Tls:
     key: bytes
     ca: bytes
     server_name: str = ""  # checked in every server's certificate instead of the address dialled ("" = the address)
+    cert_file: str = ""  # where cert and key came from (Python's ssl loads a certificate chain only from files)
+    key_file: str = ""
 
     @classmethod
     def from_files(cls, cert_file: str, key_file: str, ca_file: str, server_name: str = "") -> Tls | None:
         """None when no certificate is configured (plaintext)."""
         if not cert_file:
             return None
-        return cls(Path(cert_file).read_bytes(), Path(key_file).read_bytes(), Path(ca_file).read_bytes(), server_name)
+        cert, key, ca = (Path(f).read_bytes() for f in (cert_file, key_file, ca_file))
+        return cls(cert, key, ca, server_name, cert_file, key_file)
+
+    def http_server_context(self) -> ssl.SSLContext:
+        """HTTPS for the metrics port: our certificate; a client's is asked for, checked against the CA if sent."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        context.load_verify_locations(cadata=self.ca.decode())
+        context.verify_mode = ssl.CERT_OPTIONAL
+        return context
 
     @property
     def channel_options(self) -> list[tuple[str, Any]]:
@@ -349,9 +361,10 @@ async def serve(
 
     The etcd record is ``record(address, metrics_address)``, by default the plain ``InstanceRecord``.
 
-    ``/metrics`` and ``/health`` are served on ``metrics_port`` (0 = any free; None = not at all). ``on_bound(address)``
-    runs once the server listens, before the instance registers. ``live()`` is polled and drives the
-    health status (SERVING while it holds). When ``fatal`` resolves (the engine died) the process leaves
+    ``/metrics`` and ``/health`` are served on ``metrics_port`` (0 = any free; None = not at all), over HTTPS
+    with TLS, where ``/metrics`` needs a client certificate the CA signed (``/health`` is open, for probes).
+    ``on_bound(address)`` runs once the server listens, before the instance registers. ``live()`` is polled
+    and drives the health status (SERVING while it holds). When ``fatal`` resolves (the engine died) the process leaves
     at once: NOT_SERVING, lease revoked, calls in flight get a short grace to end with their status.
     Returns False after a fatal stop, True after a signal.
     """
@@ -385,7 +398,8 @@ async def serve(
     try:
         await status.set(live() if live is not None else True)
         serving = lambda: status.serving is True  # noqa: E731 - read from the metrics thread
-        metrics_address = serve_metrics(host, metrics_port, serving) if metrics_port is not None else ""
+        tls = _tls.http_server_context() if _tls is not None else None
+        metrics_address = serve_metrics(host, metrics_port, serving, tls) if metrics_port is not None else ""
         if on_bound is not None:
             await on_bound(address)
         if registry is not None:

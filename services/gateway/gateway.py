@@ -90,13 +90,14 @@ class Gateway:
             self._max_model_len = ModelConfig.from_hf_config(raw, self.model).max_model_len
         return self._tokenizer, self._max_model_len
 
-    def check_key(self, request: Request) -> None:
-        """Bearer-key check, in constant time per configured key."""
+    def key_refusal(self, headers: dict[str, str]) -> OpenAIError | None:
+        """The 401 for a request without one of the keys (constant time per key); None when it has one."""
         if not self.keys:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
-        if not any(hmac.compare_digest(given, key) for key in self.keys):
-            raise OpenAIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+            return None
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        if any(hmac.compare_digest(given, key) for key in self.keys):
+            return None
+        return OpenAIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
     def grpc_request(
         self, body: SamplingFields, request_id: str, prompt: str | list[int]
@@ -161,15 +162,18 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 class _AroundRequest:
-    """Every request: a server span continued from the caller's trace context, the size limit, metrics.
+    """Every request: a server span continued from the caller's trace context, the API key, the size limit, metrics.
+
+    The key is checked before anything of the request is read: a caller without one learns nothing (only
+    ``/health``, serving or not, is open, for probes).
 
     Plain ASGI (not Starlette's ``BaseHTTPMiddleware``, which re-streams every chunk of a streamed response
     through a memory stream of its own): the response's messages pass straight through, and the span covers
     the whole response, its stream included.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, gateway: Gateway) -> None:
+        self.app, self.limit, self.gateway = app, limit, gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -189,7 +193,10 @@ class _AroundRequest:
         with tracer.start_as_current_span(f"{scope['method']} {route}", context=parent, kind=SpanKind.SERVER) as span:
             try:
                 size = headers.get("content-length")
-                if size is not None and size.isdigit() and int(size) > self.limit:
+                refusal = self.gateway.key_refusal(headers) if scope["path"] != "/health" else None
+                if refusal is not None:
+                    await JSONResponse(refusal.body, status_code=refusal.status)(scope, receive, watched)
+                elif size is not None and size.isdigit() and int(size) > self.limit:
                     await _error(413, f"request body exceeds {self.limit} bytes")(scope, receive, watched)
                 else:
                     await self.app(scope, receive, watched)
@@ -219,8 +226,8 @@ class _BodyLimit:
 
 
 @router.get("/metrics")
-async def prometheus_metrics() -> Response:
-    """Prometheus text format."""
+async def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text format (behind the API keys like every route but /health: a scrape's ``authorization``)."""
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -245,7 +252,6 @@ async def health(request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     """The served model."""
     gateway = _gateway(request)
-    gateway.check_key(request)
     card = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "kvconductor"}
     return JSONResponse({"object": "list", "data": [card]})
 
@@ -254,7 +260,6 @@ async def models(request: Request) -> JSONResponse:
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     """Token ids of a prompt, as a vLLM server answers (routers use it for prefix affinity)."""
     gateway = _gateway(request)
-    gateway.check_key(request)
     if body.model is not None and body.model != gateway.model:
         raise OpenAIError(404, f"model {body.model!r} does not exist", "not_found_error", "model", "model_not_found")
     tokenizer, max_model_len = gateway.tokenizer()
@@ -278,7 +283,6 @@ async def get_load(request: Request) -> JSONResponse:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """Text completion."""
     gateway = _gateway(request)
-    gateway.check_key(request)
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
     return await _generate(gateway, body, request, prompt, chat=False)
 
@@ -287,7 +291,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """Chat completion, prompted through the model's chat template."""
     gateway = _gateway(request)
-    gateway.check_key(request)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt = await asyncio.to_thread(gateway.template.render, messages)  # off the loop that streams the others
     return await _generate(gateway, body, request, prompt, chat=True)
@@ -310,7 +313,7 @@ def create_app(config: Config, discover: bool = True) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(_BodyLimit, limit=config.gateway.max_request_bytes)
-    app.add_middleware(_AroundRequest, limit=config.gateway.max_request_bytes)  # outermost: added last
+    app.add_middleware(_AroundRequest, limit=config.gateway.max_request_bytes, gateway=app.state.gateway)  # outermost
     app.include_router(router)
     return app
 

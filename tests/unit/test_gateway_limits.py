@@ -29,6 +29,18 @@ def test_requests_without_the_key_are_refused_with_openai_errors():
         assert response.json()["data"][0]["id"] == "m"
 
 
+def test_every_route_but_health_needs_the_key():
+    client = TestClient(_app(["sk-good"]))
+    for method, path in (("GET", "/metrics"), ("GET", "/get_load"), ("GET", "/v1/models"), ("POST", "/tokenize"),
+                         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):  # fmt: skip
+        response = client.request(method, path, json={"model": "m", "prompt": "x", "messages": []})
+        assert response.status_code == 401, (path, response.text)
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    metrics = client.get("/metrics", headers={"Authorization": "Bearer sk-good"})
+    assert metrics.status_code == 200 and "kvconductor_http_requests_total" in metrics.text
+    assert client.get("/health").status_code == 503  # open to probes: no Conductor behind this app
+
+
 def test_the_openai_sdk_raises_authentication_error():
     app_client = TestClient(_app(["sk-good"]))
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-bad", http_client=app_client, max_retries=0)

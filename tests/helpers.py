@@ -149,6 +149,40 @@ def kill_decode_worker_mid_stream(cluster, prompt_ids, max_tokens, after_tokens,
     return tokens, victim
 
 
+def _descendants(roots: dict[int, str]) -> dict[int, str]:
+    """Every live process below ``roots`` (pid -> name), named after its root."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone since the listing
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = dict(roots), list(roots)
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            found[child] = found[pid]
+            todo.append(child)
+    return found
+
+
+def listeners_off(cluster, host: str = "127.0.0.1") -> list[str]:
+    """Every TCP port that a process of the cluster (or a child of one: vLLM's, mooncake_master) listens on
+    elsewhere than ``host``, as "instance (pid): address:port"; [] when the whole cluster stays on it."""
+    from services.worker.bind_guard import listeners, resolve
+
+    roots = {info["pid"]: instance_id for instance_id, info in cluster.manifest["processes"].items()}
+    exposed = []
+    for pid, name in _descendants(roots).items():
+        try:
+            found = listeners(pid)
+        except OSError:  # exited since
+            continue
+        exposed += [f"{name} ({pid}): {x.address}:{x.port}" for x in found.values() if x.address != resolve(host)]
+    return exposed
+
+
 def worker_loads(cluster):
     loads = {}
     for instance_id, info in cluster.manifest["processes"].items():

@@ -100,11 +100,11 @@ def rewrites() -> int:
     return count
 
 
-def _socket_inodes() -> set[int]:
+def _socket_inodes(pid: int | str) -> set[int]:
     inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:  # closed since the listing
             continue
         if target.startswith("socket:["):
@@ -122,11 +122,11 @@ def _parse_address(field: str) -> tuple[Address, int]:
     return address, int(hex_port, 16)
 
 
-def listeners() -> dict[int, Listener]:
-    """The listening TCP sockets of this process, by socket inode."""
-    own = _socket_inodes()
+def listeners(pid: int | str = "self") -> dict[int, Listener]:
+    """The listening TCP sockets of a process (this one by default), by socket inode."""
+    own = _socket_inodes(pid)
     found = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         try:
             with open(table) as lines:
                 rows = [line.split() for line in lines.readlines()[1:]]

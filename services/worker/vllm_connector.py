@@ -1,13 +1,17 @@
 """vLLM's MooncakeConnector, loadable on a CPU-only torch, and an orphan guard for vLLM's child processes.
 
 vLLM imports this module (``kv_connector_module_path``) inside its EngineCore process and its model
-worker process. Two things happen on import:
+worker process. Three things happen on import:
 
 * ``torch.accelerator.current_device_index()`` raises on a CPU-only torch, and the connector's worker
   calls it once in its constructor; on such a torch it answers 0 (the CPU "device").
 * A daemon thread ends this process as soon as its parent is gone. vLLM's children do not reliably die
   with a SIGKILLed parent (vllm#55510): an orphaned EngineCore keeps its bootstrap, ZMQ and transfer
   ports and over a gigabyte of memory. A worker killed with kill -9 must leave nothing behind.
+* The KV data plane stays on ``[cluster] host`` (``VLLM_HOST_IP``, set by ``vllm_engine.engine_arguments``):
+  vLLM starts the connector's bootstrap HTTP server on ``0.0.0.0`` and Mooncake binds its transfer engine
+  to the wildcard; the first is given the host instead, the second goes through ``bind_guard`` as our own
+  engine does. (The ZMQ side channel already binds ``VLLM_HOST_IP``.)
 """
 
 from __future__ import annotations
@@ -22,9 +26,15 @@ import torch
 if not torch.accelerator.is_available():
     torch.accelerator.current_device_index = lambda: 0
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (  # noqa: E402
     MooncakeConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (  # noqa: E402
+    MooncakeBootstrapServer,
+)
+
+from services.worker import bind_guard  # noqa: E402
 
 PARENT_POLL_S = 0.5
 
@@ -35,6 +45,20 @@ def _exit_with_parent() -> None:
         time.sleep(PARENT_POLL_S)
     os._exit(1)
 
+
+HOST = os.environ.get("VLLM_HOST_IP", "")
+
+
+class _BootstrapOnHost(MooncakeBootstrapServer):
+    """vLLM's bootstrap server, on the cluster's address instead of every interface."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(HOST or host, port)
+
+
+if HOST and not bind_guard.resolve(HOST).is_unspecified:
+    mooncake_connector.MooncakeBootstrapServer = _BootstrapOnHost  # type: ignore[attr-defined]  # what it calls
+    bind_guard.install(bind_guard.resolve(HOST))  # the module import above loaded Mooncake's engine
 
 if multiprocessing.parent_process() is not None:  # one of vLLM's spawned processes, not the worker itself
     threading.Thread(target=_exit_with_parent, name="kvconductor-orphan-guard", daemon=True).start()

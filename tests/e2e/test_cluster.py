@@ -57,6 +57,12 @@ def test_streaming_chat_completion_with_the_openai_client(cluster):
     assert explained.returncode == 0 and chunks[0].id.removeprefix("chatcmpl-") in explained.stdout
 
 
+def test_every_port_of_every_process_stays_on_the_cluster_host(cluster):
+    """[cluster] host is 127.0.0.1: no process (Mooncake's transfer engines included) listens anywhere else."""
+    assert helpers.listeners_off(cluster) == []
+    assert len(cluster.manifest["processes"]) >= 6  # the Conductor, kvmeta, the gateway and four workers were seen
+
+
 def test_disaggregated_output_equals_in_process_and_colocated(cluster, prompts, reference):
     before = helpers.worker_loads(cluster)
     for prompt, expected in zip(prompts, reference, strict=True):

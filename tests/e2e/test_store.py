@@ -174,3 +174,8 @@ def test_a_master_killed_under_load_fails_no_request_and_the_store_caches_again(
             break
         except AssertionError:
             assert time.monotonic() < deadline, "no new prefix reached the restarted Store"
+
+
+def test_the_store_and_its_master_listen_on_the_cluster_host_only(store_cluster):
+    """mooncake_master (a child of the store service) and every client's transfer engine included."""
+    assert helpers.listeners_off(store_cluster) == []

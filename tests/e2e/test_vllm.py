@@ -18,6 +18,7 @@ from helpers import (
     grpc_generate,
     kill_decode_worker_mid_stream,
     kvmeta_matches,
+    listeners_off,
     prefill_booked_on,
     running_cluster,
     wait_indexed,
@@ -58,6 +59,11 @@ def test_disaggregated_vllm_gives_the_tokens_of_a_single_vllm_instance(vllm_clus
         tokens, decision, _ = grpc_generate(vllm_cluster, prompt, PD)
         assert decision.decode_instance.startswith("decode-")
         assert tokens == single and len(tokens) == 12
+
+
+def test_every_port_of_vllm_and_its_connector_stays_on_the_cluster_host(vllm_cluster):
+    """vLLM's bootstrap server (0.0.0.0 in vLLM) and Mooncake's engine inside vLLM's processes included."""
+    assert listeners_off(vllm_cluster) == []
 
 
 def _place_two_prefixes(cluster, a, b, tail):

@@ -140,6 +140,24 @@ async def test_a_hold_longer_than_the_configured_bound_is_refused_and_pins_nothi
     await _all_free(served.engine)
 
 
+async def test_no_rpc_of_one_request_touches_another_requests_blocks(served):
+    """The Conductor gives every request an id of its own; the worker keeps each id's blocks apart."""
+    engine = served.engine
+    a, b = await _reserve(served.stub, "a"), await _reserve(served.stub, "b")
+    assert not set(a.target.block_addresses) & set(b.target.block_addresses)
+    held = engine.layout.num_blocks - len(engine.free)
+    with pytest.raises(grpc.aio.AioRpcError) as duplicate:
+        await _reserve(served.stub, "b")  # a second Reserve under b's id is refused, b's blocks stay b's
+    assert duplicate.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "b" in served.servicer.reservations and engine.layout.num_blocks - len(engine.free) == held
+    released = await served.stub.Release(decode_pb2.ReleaseRequest(request_id="a"))
+    assert released.released and "b" in served.servicer.reservations
+    assert engine.layout.num_blocks - len(engine.free) == held // 2  # a's blocks only
+    assert not (await served.stub.Release(decode_pb2.ReleaseRequest(request_id="c"))).released  # no such id
+    assert await _decode(served.stub, "b") == list(range(8, 15))  # b decodes as if a had never been there
+    await _all_free(engine)
+
+
 async def test_the_load_stream_shows_each_conductor_the_other_conductors_requests_until_they_end(served):
     booking = common_pb2.Booking(conductor_id="conductor-b", num_blocks=4, context_tokens=40, ttft_s=0.5)
     request = decode_pb2.ReserveRequest(request_id="rb", num_prompt_tokens=len(PROMPT), sampling=_sampling(),

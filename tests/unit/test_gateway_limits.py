@@ -62,3 +62,14 @@ def test_requests_beyond_the_concurrency_limit_get_429():
     response = TestClient(app).post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
     assert response.status_code == 429
     assert "max_concurrent_requests" in response.json()["error"]["message"]
+
+
+def test_idle_connections_outlive_every_common_clients_reuse_window():
+    """Equal idle timeouts race: the server closes a connection as the client sends on it (a reset, ReadError)."""
+    import httpx
+
+    from services.gateway.gateway import server_config
+
+    config = server_config(_app([]), "127.0.0.1", 0, "", "", "warning")
+    clients = {"httpx / openai": httpx.Limits().keepalive_expiry, "aiohttp": 15.0, "AWS ALB": 60.0, "Go": 90.0}
+    assert all(config.timeout_keep_alive > idle for idle in clients.values()), (config.timeout_keep_alive, clients)

@@ -10,14 +10,20 @@ Everything lives under one run dir (a temporary one by default)::
 
 Restarting the same object (same run dir and ports) keeps the keys; leases survive too
 and, as in any etcd restart, get their full TTL again.
+
+With ``tls`` (an `EtcdTls`) the client and peer ports serve HTTPS and ask for a client certificate
+signed by the CA (``--client-cert-auth``, ``--peer-client-cert-auth``), as deploy/k8s/base/etcd.yaml
+runs etcd; clients then need ``[cluster] etcd_ca_file``, ``etcd_cert_file`` and ``etcd_key_file``.
 """
 
 import json
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -36,6 +42,27 @@ def etcd_binary() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """The certificate and key of etcd (for its client and peer ports, naming ``host``) and the CA of its clients."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def args(self) -> list[str]:
+        """The flags: TLS on both ports, a client certificate the CA signed required on both."""
+        files = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}", f"--trusted-ca-file={self.ca_file}"]
+        peer = [f"--peer-{flag.removeprefix('--')}" for flag in files]
+        return [*files, "--client-cert-auth", *peer, "--peer-client-cert-auth"]
+
+    def client_context(self) -> ssl.SSLContext:
+        """A TLS context that checks etcd against the CA and presents etcd's own certificate as the client's."""
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+
 class EmbeddedEtcd:
     """A single-member etcd on 127.0.0.1 (or ``host``), usable as a context manager.
 
@@ -50,8 +77,10 @@ class EmbeddedEtcd:
         run_dir: str | Path | None = None,
         startup_timeout: float = 15.0,
         host: str = "127.0.0.1",
+        tls: EtcdTls | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.startup_timeout = startup_timeout
@@ -70,9 +99,14 @@ class EmbeddedEtcd:
         return f"{self.host}:{self.client_port}"
 
     @property
+    def scheme(self) -> str:
+        """The URL scheme: https with TLS, else http."""
+        return "https" if self.tls is not None else "http"
+
+    @property
     def client_url(self) -> str:
-        """The client URL, "http://HOST:PORT"."""
-        return f"http://{self.endpoint}"
+        """The client URL, "http://HOST:PORT" ("https://" with TLS)."""
+        return f"{self.scheme}://{self.endpoint}"
 
     @property
     def pid(self) -> int | None:
@@ -93,7 +127,7 @@ class EmbeddedEtcd:
         if self.running:
             raise RuntimeError(f"etcd is already running at {self.endpoint}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer_url = f"http://{self.host}:{self.peer_port}"
+        peer_url = f"{self.scheme}://{self.host}:{self.peer_port}"
         args = [
             str(etcd_binary()),
             "--name=kvconductor",
@@ -103,6 +137,7 @@ class EmbeddedEtcd:
             f"--listen-peer-urls={peer_url}",
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster=kvconductor={peer_url}",
+            *(self.tls.args() if self.tls is not None else []),
         ]
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -126,7 +161,8 @@ class EmbeddedEtcd:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0) as resp:
+            context = self.tls.client_context() if self.tls is not None else None
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=context) as resp:
                 return bool(json.loads(resp.read()).get("health") == "true")
         except (OSError, ValueError):
             # Not listening yet, or a half-started server answering garbage.

@@ -296,15 +296,15 @@ def spawn(cluster, role, instance_id, log_dir, extra_args=()):
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
 
 
-def wait_registered(cluster, role, instance_id, present=True, timeout=180):
-    """Wait until an instance's key is (or is no longer) in etcd.
+def wait_registered(cluster, role, instance_id, present=True, timeout=180, auth=None):
+    """Wait until an instance's key is (or is no longer) in etcd (``auth``: an EtcdAuth, for an etcd with TLS).
 
     A new worker loads its model and profiles it before it registers: about a minute on a busy machine.
     """
     from services.common.registry import Registry
 
     deadline = time.monotonic() + timeout
-    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"], auth=auth) as registry:
         while ((role, instance_id) in registry.list(role)) != present:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{instance_id} {'never registered' if present else 'still registered'}")

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 from helpers import wait_registered
 
-from cli.etcd_server import EmbeddedEtcd
+from cli.etcd_server import EmbeddedEtcd, EtcdTls
+from services.common.registry import EtcdAuth
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,8 +56,9 @@ class Net:
         self.hosts: dict[str, dict[str, str]] = {}
         self._undo: list[tuple[str, ...]] = []
 
-    def setup(self, *hosts: str, rate: str = "") -> None:
-        """One namespace per host name, each with a veth link to the root namespace (throttled to ``rate``)."""
+    def setup(self, *hosts: str, rate: str = "", forward: bool = False) -> None:
+        """One namespace per host name, each with a veth link to the root namespace (throttled to ``rate``);
+        ``forward``: the hub routes between the hosts (IPv4 forwarding on this run's links only)."""
         _sh("ip", "addr", "add", f"{self.hub}/32", "dev", "lo")
         self._undo.append(("ip", "addr", "del", f"{self.hub}/32", "dev", "lo"))
         for index, name in enumerate(hosts, start=1):
@@ -69,6 +71,8 @@ class Net:
             _sh("ip", "link", "set", inner, "netns", ns)
             _sh("ip", "addr", "add", f"{gateway}/24", "dev", outer)
             _sh("ip", "link", "set", outer, "up")
+            if forward:
+                _sh("sysctl", "-q", "-w", f"net.ipv4.conf.{outer}.forwarding=1")  # gone with the link
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inner)
             _sh("ip", "-n", ns, "link", "set", inner, "up")
@@ -141,15 +145,18 @@ class Processes:
             if process.poll() is not None:
                 raise RuntimeError(f"{instance_id} exited ({process.returncode}):\n{self.log(instance_id)[-3000:]}")
 
-    def wait_registered(self, etcd_endpoint: str, servers: list[tuple[str, str]], timeout: float = 180.0) -> None:
-        """Wait until every (role, instance_id) is registered in etcd; fail at once if a process exited."""
+    def wait_registered(
+        self, etcd_endpoint: str, servers: list[tuple[str, str]], timeout: float = 180.0, auth: EtcdAuth | None = None
+    ) -> None:
+        """Wait until every (role, instance_id) is registered in etcd (``auth``: its TLS files); fail at once if a
+        process exited."""
         registry = SimpleNamespace(manifest={"etcd": [etcd_endpoint], "cluster": "local"})
         deadline = time.monotonic() + timeout
         for role, instance_id in servers:
             while True:
                 self.check_alive()
                 try:
-                    wait_registered(registry, role, instance_id, timeout=2)
+                    wait_registered(registry, role, instance_id, timeout=2, auth=auth)
                     break
                 except TimeoutError:
                     if time.monotonic() > deadline:
@@ -157,18 +164,27 @@ class Processes:
 
 
 @contextmanager
-def hosts(scratch: Path, *names: str, rate: str = "") -> Iterator[tuple[Net, Processes, EmbeddedEtcd]]:
+def hosts(
+    scratch: Path,
+    *names: str,
+    rate: str = "",
+    forward: bool = False,
+    etcd_tls: Callable[[Net], EtcdTls] | None = None,
+) -> Iterator[tuple[Net, Processes, EmbeddedEtcd]]:
     """Namespaces ``names`` linked to the hub, an etcd on the hub and the test's processes, all torn down whatever
-    happens (namespaces, links and addresses checked gone); the test is skipped where namespaces cannot be built."""
+    happens (namespaces, links and addresses checked gone); the test is skipped where namespaces cannot be built.
+
+    ``forward``: as in ``Net.setup``. ``etcd_tls(net)``, called once the namespaces have their addresses: etcd's
+    TLS (HTTPS, client certificates required; its certificate names ``net.hub``)."""
     net = Net()
     processes = Processes(scratch)
     etcd: EmbeddedEtcd | None = None
     try:
         try:
-            net.setup(*names, rate=rate)
+            net.setup(*names, rate=rate, forward=forward)
         except RuntimeError as e:
             pytest.skip(f"cannot build the namespaces here: {e}")
-        etcd = EmbeddedEtcd(run_dir=scratch / "etcd", host=net.hub)
+        etcd = EmbeddedEtcd(run_dir=scratch / "etcd", host=net.hub, tls=etcd_tls(net) if etcd_tls else None)
         etcd.start()
         yield net, processes, etcd
     finally:

@@ -17,6 +17,7 @@ send the current context with every call.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import ssl
@@ -89,7 +90,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method), **serialization)
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method), **serialization)
+            # A handler that streams with context.write (grpc's health Watch) is a coroutine, not a generator.
+            wrap = _wrap_unary if inspect.iscoroutinefunction(handler.unary_stream) else _wrap_stream
+            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, method), **serialization)
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(_parsed_stream_unary(handler.stream_unary), **serialization)
         return grpc.stream_stream_rpc_method_handler(_parsed_stream_stream(handler.stream_stream), **serialization)

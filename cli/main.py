@@ -69,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("request_id", help="the request id (x-request-id, or the id in the response)")
     _add_config_args(explain)
 
+    roles = sub.add_parser(
+        "etcd-roles",
+        help="give each kvconductor role an etcd user that writes only its own records, and turn etcd's auth on",
+        description="Run once against an etcd with TLS and client-certificate auth, presenting the certificate "
+        "of etcd's root user (CN=root) as [cluster] etcd_cert_file/etcd_key_file. Each process then logs in with "
+        "its own certificate (CN=ROLE): see docs/security.md.",
+    )  # fmt: skip
+    _add_config_args(roles)
+
     make = sub.add_parser("make-model", help="write the small random-weight model the tests use (Hugging Face layout)")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -114,6 +123,31 @@ def _check_trust(config: Config, role: str) -> None:
         )
 
 
+def _cluster_command(args: argparse.Namespace, config: Config) -> int:
+    """The commands that run a cluster, or a part of one, or ask a running one."""
+    if args.command == "up":
+        from cli.launcher import up
+
+        _setup_logging(config.telemetry.log_level, "up")
+        _check_trust(config, "up")
+        return up(args.config, args.set, args.run_dir)
+    if args.command == "serve":
+        from cli.serve import run
+
+        _setup_logging(config.telemetry.log_level, args.id)
+        _check_trust(config, args.role)
+        return run(config, args.role, args.id)
+    if args.command == "generate":
+        from cli.client import generate_main as generate_remote
+
+        return generate_remote(args, config)
+    from cli.status import print_decision, print_status
+
+    if args.command == "explain":
+        return print_decision(config, args.request_id)
+    return print_status(config, args.window_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvconductor`` console script."""
     args = _parser().parse_args(argv)
@@ -132,31 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return int(args.bench_main(args))
         config = load_config(args.config, args.set)
-        c = config.cluster
-        role = args.role if args.command == "serve" else "admin"  # whose certificate this process presents
-        use_tls(Tls.from_files(*c.tls_files(role), c.tls_server_name))
+        # whose certificate this process presents
+        role = {"serve": getattr(args, "role", ""), "etcd-roles": "root"}.get(args.command, "admin")
+        config.cluster = c = config.cluster.for_role(role)
+        if args.command == "etcd-roles":
+            from cli.etcd_roles import main as etcd_roles
+
+            return etcd_roles(config)
+        use_tls(Tls.from_files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file, c.tls_server_name))
         use_api_key(config)
-        if args.command == "up":
-            from cli.launcher import up
-
-            _setup_logging(config.telemetry.log_level, "up")
-            _check_trust(config, "up")
-            return up(args.config, args.set, args.run_dir)
-        if args.command == "serve":
-            from cli.serve import run
-
-            _setup_logging(config.telemetry.log_level, args.id)
-            _check_trust(config, args.role)
-            return run(config, args.role, args.id)
-        if args.command == "generate":
-            from cli.client import generate_main as generate_remote
-
-            return generate_remote(args, config)
-        from cli.status import print_decision, print_status
-
-        if args.command == "explain":
-            return print_decision(config, args.request_id)
-        return print_status(config, args.window_s)
+        return _cluster_command(args, config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -101,14 +101,15 @@ def streamed_completion(rest: str, prompt: list[int], max_tokens: int, streaming
 def make_pki(directory: Path, common_name: str, subject_alt_names: str, roles: Sequence[str] = ()) -> Path:
     """A test CA (``ca.pem``, ``ca.key``) and certificates signed by it for ``subject_alt_names`` (openssl's
     syntax: ``IP:127.0.0.1,DNS:localhost``), good for serving and as a client: ``node.pem``/``node.key``
-    naming no role, and ``ROLE.pem``/``ROLE.key`` naming each of ``roles`` (services/common/access.py)."""
+    naming no role, and ``ROLE.pem``/``ROLE.key`` naming each of ``roles`` (services/common/access.py; CN=ROLE,
+    the etcd user of cli/etcd_roles.py)."""
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-    def issue(name: str, sans: str) -> None:
+    def issue(name: str, sans: str, cn: str = common_name) -> None:
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", f"/CN={common_name}")  # fmt: skip
+                "-subj", f"/CN={cn}")  # fmt: skip
         (directory / "ext.cnf").write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n")
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                 "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
@@ -117,7 +118,7 @@ def make_pki(directory: Path, common_name: str, subject_alt_names: str, roles: S
             "-subj", "/CN=kvconductor test CA")  # fmt: skip
     issue("node", subject_alt_names)
     for role in roles:
-        issue(role, f"URI:spiffe://kvconductor/{role},{subject_alt_names}")
+        issue(role, f"URI:spiffe://kvconductor/{role},{subject_alt_names}", cn=role)  # etcd's user: the CN
     return directory
 
 

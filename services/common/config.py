@@ -55,8 +55,9 @@ class ClusterConfig:
     # (a frozen engine in a live process); it serves again once the loop turns.
     engine_heartbeat_timeout_s: float = 30.0
     # PEM certificate of this process for gRPC between services (mutual TLS); "" = plaintext. It names the
-    # process's role (URI SAN spiffe://kvconductor/ROLE, services/common/access.py); "{role}" in the path is
-    # replaced by the role, so one config names a certificate per role ("admin" for the command line).
+    # process's role (URI SAN spiffe://kvconductor/ROLE, services/common/access.py; CN=ROLE for etcd's users);
+    # "{role}" in the path (here and in etcd_cert_file/etcd_key_file) is replaced by the role, so one config
+    # names a certificate per role ("admin" for the command line, "root" for `kvconductor etcd-roles`).
     tls_cert_file: str = ""
     tls_key_file: str = ""  # its private key ("{role}" as in tls_cert_file)
     tls_ca_file: str = ""  # CA that signed every service's certificate
@@ -103,12 +104,18 @@ class ClusterConfig:
             if "{role}" not in path:  # a file per role is looked for by the process of that role (tls_files)
                 _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file: {path}")
 
+    def for_role(self, role: str) -> ClusterConfig:
+        """The section as a process of ``role`` reads it: "{role}" in a certificate's path replaced, files checked."""
+        keys = ("tls_cert_file", "tls_key_file", "etcd_cert_file", "etcd_key_file")
+        resolved = {key: getattr(self, key).replace("{role}", role) for key in keys}
+        for key, path in resolved.items():
+            _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file for role {role}: {path}")
+        return dataclasses.replace(self, **resolved)
+
     def tls_files(self, role: str) -> tuple[str, str, str]:
         """Certificate, key and CA of a process of ``role`` (each "" without TLS)."""
-        files = (self.tls_cert_file.replace("{role}", role), self.tls_key_file.replace("{role}", role))
-        for key, path in zip(("tls_cert_file", "tls_key_file"), files, strict=True):
-            _check(not path or Path(path).is_file(), f"[cluster] {key}", f"no such file for role {role}: {path}")
-        return (*files, self.tls_ca_file)
+        c = self.for_role(role)
+        return c.tls_cert_file, c.tls_key_file, c.tls_ca_file
 
 
 MODEL_SOURCES = ("smollm2", "random", "")

@@ -23,14 +23,16 @@ services/common/config.py ``check_trust``):
   gateway, UNIMPLEMENTED where the port does not serve the method, health and reflection open;
 * REST without a key: 401 except the routes in ``OPEN_ROUTES``; plaintext HTTP on the HTTPS port fails;
 * a metrics port: HTTPS, ``/health`` to anyone (the kubelet's probes), ``/metrics`` to a cluster certificate;
-* etcd without a client certificate: refused on both ports;
+* etcd without a client certificate: refused on both ports; with one, each role's etcd user
+  (cli/etcd_roles.py, applied before the cluster starts) writes only its own role's records: the gateway's
+  certificate reads, never writes;
 * the Mooncake Transfer Engine has no credential: a TCP connect from another host of the network gets in
   (a NetworkPolicy keeps it to the workers in Kubernetes); what is checked is that it listens on the worker's
   ``[cluster] host`` only (services/worker/bind_guard.py), as every port does (no wildcard).
 
-What the trust model does not settle is printed as a finding, not failed: etcd taking any certificate the CA
-signed (the gateway's too: it reads and writes every record, roles are not checked there) and the transfer
-engine's ports, open to a TCP connect from any host of the network. Then the same cluster serves greedy
+What the trust model does not settle is printed as a finding, not failed: etcd's peer port taking the TLS
+handshake of any certificate the CA signed that names the caller's address, and the transfer engine's ports,
+open to a TCP connect from any host of the network. Then the same cluster serves greedy
 requests through the gateway (HTTPS, with the key), exactly as the engine in this process does, before and
 after the probes.
 """
@@ -56,13 +58,15 @@ from helpers import _descendants, make_pki, reference_tokens
 from netns import Net, skip_reason
 from netns import hosts as netns_hosts
 
+from cli.etcd_roles import apply as etcd_roles
+from cli.etcd_roles import root_channel
 from cli.etcd_server import EtcdTls
 from engine.tokenizer import load_tokenizer
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from services.common.access import ANY_CERTIFICATE, ROLES, allowed
 from services.common.instance_record import WorkerRecord
 from services.common.net import free_port
-from services.common.registry import EtcdAuth, Registry
+from services.common.registry import EtcdAuth, Registry, connect
 from services.worker.bind_guard import listeners
 
 if (_reason := skip_reason()) is not None:
@@ -90,10 +94,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     def etcd_tls(net: Net) -> EtcdTls:
         # One certificate per role, each naming every cluster address (each process checks its peers' addresses).
         cluster_hosts = [net.hub, net.hosts["p"]["address"], net.hosts["d"]["address"]]
-        make_pki(pki, "kvconductor", ",".join(f"IP:{a}" for a in cluster_hosts), ROLES)
+        make_pki(pki, "kvconductor", ",".join(f"IP:{a}" for a in cluster_hosts), (*ROLES, "root"))
         return EtcdTls(str(pki / "node.pem"), str(pki / "node.key"), str(pki / "ca.pem"))
 
     with netns_hosts(scratch, "p", "d", "x", forward=True, etcd_tls=etcd_tls) as (net, processes, etcd):
+        with root_channel(etcd.endpoint, *(str(pki / f) for f in ("ca.pem", "root.pem", "root.key"))) as channel:
+            etcd_roles(channel, "local")  # each certificate (CN=ROLE) writes only its own role's records
         (pki / "api-keys").write_text(f"# the cluster's bearer keys\n{KEY}\n")
         conductor, gateway = f"{net.hub}:{free_port()}", f"{net.hub}:{free_port()}"
         common = ["--config", "deploy/config.toml", *_sets(
@@ -314,16 +320,12 @@ def _check_etcd(port: dict, results: dict[str, dict], failures: list[str], findi
                 failures.append(
                     f"{port['address']} ({port['kind']}): TLS without a client certificate: {answers['tls']}"
                 )
-        elif not answers["tls"].startswith("refused"):  # TLS came up with the gateway's certificate
-            what = f"TLS {answers['tls']}, GET /version {answers['GET /version']}"
-            if "read /kvconductor/" in answers:
-                count = json.loads(answers["read /kvconductor/"].get("body") or "{}").get("count", "?")
-                wrote = answers["write /trust-probe/"]["status"] == 200
-                what = f"read {count} cluster keys, {'wrote' if wrote else 'could not write'} a key"
-            checks = ("the CA, and that a peer's certificate names the caller's address" if port["kind"] == "etcd-peer"
-                      else "the CA only")  # fmt: skip
-            findings.append(f"{port['address']} ({port['protocol']}) takes the gateway's certificate: {what} "
-                            f"(etcd checks {checks}, never the role)")  # fmt: skip
+        elif "write /trust-probe/" in answers and answers["write /trust-probe/"]["status"] == 200:
+            failures.append(f"{port['address']}: the gateway's certificate wrote a key in etcd")
+        elif port["kind"] == "etcd-peer" and not answers["tls"].startswith("refused"):
+            findings.append(f"{port['address']} ({port['protocol']}) takes the TLS handshake of the gateway's "
+                            f"certificate: {answers['tls']}, GET /version {answers['GET /version']} (etcd checks the "
+                            "CA and that a peer's certificate names the caller's address, never the role)")  # fmt: skip
         cells[who] = "; ".join(
             f"{call} {a if isinstance(a, str) else a['status'] or a.get('error', '')[:60]}"
             for call, a in answers.items()
@@ -375,6 +377,27 @@ def _table(rows: list[dict]) -> str:
             lines.append(" | ".join((w[line] if line < len(w) else "").ljust(width)
                                     for w, width in zip(wrapped, widths, strict=True)))  # fmt: skip
     return "\n".join(lines)
+
+
+def test_in_etcd_each_certificate_writes_only_its_own_roles_records(cluster):
+    """Over etcd's gRPC API, as the processes use it: a compromised gateway cannot register a worker."""
+    prefix = "/kvconductor/local/instances/"
+    host, _, port = cluster.etcd.endpoint.rpartition(":")
+    for role, key, allowed_to in (("gateway", "prefill/fake", False), ("gateway", "conductor/fake", False),
+                                  ("admin", "decode/fake", False), ("prefill", "decode/fake", False),
+                                  ("prefill", "prefill/probe", True)):  # fmt: skip
+        auth = EtcdAuth(*(str(cluster.pki / f) for f in ("ca.pem", f"{role}.pem", f"{role}.key")))
+        client = connect([(host, int(port))], 10.0, auth)
+        try:
+            assert len(client.get_prefix_response(prefix).kvs) >= 4  # every role reads the records
+            if allowed_to:
+                client.put(prefix + key, "{}")
+                client.delete(prefix + key)
+            else:
+                with pytest.raises(Exception, match="permission denied"):
+                    client.put(prefix + key, "{}")
+        finally:
+            client.close()
 
 
 def test_every_port_of_every_process_refuses_an_outsider_and_the_gateway_gets_only_its_methods(cluster):

@@ -196,12 +196,12 @@ def issuer_roles() -> set[str]:
     """The roles issue-cert.sh issues for: its ``case $ROLE`` branches."""
     script = ISSUER.read_text()
     body = script[script.index("case $ROLE in") : script.index("esac")]
-    labels = re.findall(r"^\s*([\w| ]+)\)", body, re.MULTILINE)
+    labels = re.findall(r"^\s*([\w| -]+)\)", body, re.MULTILINE)
     return {role.strip() for label in labels for role in label.split("|")}
 
 
 def test_the_issuer_issues_exactly_the_roles_of_access_py_and_etcd():
-    assert issuer_roles() == set(ROLES) | {"etcd"}
+    assert issuer_roles() == set(ROLES) | {"etcd", "etcd-roles"}
     assert f"URI:{SPIFFE_PREFIX}$ROLE" in ISSUER.read_text()
 
 
@@ -227,7 +227,7 @@ def issue(tmp_path: Path, role: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
-@pytest.mark.parametrize("role", ["prefill", "conductor", "gateway", "etcd"])
+@pytest.mark.parametrize("role", ["prefill", "conductor", "gateway", "etcd", "etcd-roles"])
 def test_the_issuer_writes_a_certificate_naming_the_pod_and_its_role(tmp_path, role):
     result = issue(tmp_path, role)
     assert result.returncode == 0, result.stderr
@@ -239,12 +239,14 @@ def test_the_issuer_writes_a_certificate_naming_the_pod_and_its_role(tmp_path, r
     uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
     dns = set(sans.get_values_for_type(x509.DNSName))
     assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == [POD_VALUES["POD_IP"], "127.0.0.1"]
-    assert uris == ([] if role == "etcd" else [SPIFFE_PREFIX + role])
+    assert uris == ([] if role.startswith("etcd") else [SPIFFE_PREFIX + role])
+    (cn,) = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    assert cn.value == {"etcd": "kvconductor-x-0", "etcd-roles": "root"}.get(role, role)  # etcd's user: the CN
     assert ("kvconductor-conductor" in dns) == (role == "conductor")
     assert ("kvconductor-x-0.kvconductor-etcd" in dns) == (role == "etcd")
     usage = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
     client, server = ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH
-    assert usage == ({client} if role == "gateway" else {client, server})
+    assert usage == ({client} if role in ("gateway", "etcd-roles") else {client, server})
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
@@ -253,6 +255,19 @@ def test_the_issuer_refuses_a_role_it_does_not_know(tmp_path, role):
     result = issue(tmp_path, role)
     assert result.returncode != 0 and "unknown ROLE" in result.stderr
     assert not (tmp_path / "tls" / "tls.crt").exists()
+
+
+def test_the_etcd_roles_job_gets_the_root_certificate_and_reaches_etcd(objects):
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    template = job["spec"]["template"]
+    assert template["metadata"]["labels"][COMPONENT] == "etcd-roles"  # ROLE for issue-cert.sh: CN=root
+    assert [c["name"] for c in template["spec"]["initContainers"]] == ["issue-cert"]
+    args = template["spec"]["containers"][0]["args"]
+    assert args == ["etcd-roles", "--config=/etc/kvconductor/config.toml"]
+    config = config_of(objects)
+    assert 'etcd_cert_file = "/var/run/kvconductor/tls/tls.crt"' in config  # the pod's certificate: root's
+    etcd = pods(objects)["etcd"]
+    assert admits(objects, template["metadata"]["labels"], etcd, 2379)
 
 
 # --- NetworkPolicies (deploy/k8s/base/network-policy.yaml) ------------------------------------------------

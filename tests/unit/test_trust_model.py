@@ -96,3 +96,15 @@ def test_serve_refuses_an_exposed_plaintext_worker_before_loading_anything():
     )  # fmt: skip
     assert result.returncode == 2
     assert "config error: [cluster] host: 10.0.0.5 is not a loopback address" in result.stderr
+
+
+def test_etcd_roles_says_what_it_needs_and_a_role_file_that_is_missing_is_named(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cli.main", "etcd-roles"], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 1 and "etcd_cert_file and etcd_key_file" in result.stderr and "CN=root" in result.stderr
+    c = config()
+    c.cluster.etcd_cert_file = str(tmp_path / "{role}.pem")
+    (tmp_path / "prefill.pem").touch()
+    assert c.cluster.for_role("prefill").etcd_cert_file == str(tmp_path / "prefill.pem")
+    with pytest.raises(ConfigError, match=r"\[cluster\] etcd_cert_file: no such file for role root"):
+        c.cluster.for_role("root")

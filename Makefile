@@ -82,8 +82,8 @@ test-contended: install ## The end-to-end tests with a busy loop on every core (
 fuzz: install ## Fuzz the REST shim and gRPC API with FUZZ_EXAMPLES per test (make test runs 25)
 	KVCONDUCTOR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest tests/e2e/test_fuzz_rest.py tests/e2e/test_fuzz_grpc.py
 
-run: install ## Start a whole local cluster from $(CONFIG) and serve until Ctrl-C
-	$(BIN)/kvconductor up --config $(CONFIG)
+run: install ## Start a whole local cluster from $(CONFIG) (SET="key=value ..." overrides keys) until Ctrl-C
+	$(BIN)/kvconductor up --config $(CONFIG) $(foreach s,$(SET),--set '$(s)')
 
 # Without a container tool it fails rather than passing: a script that builds, then pushes, must not push
 # whatever image it built last time. Nothing else depends on it.

@@ -31,7 +31,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, get_current_span, use_span
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, StatusCode, get_current_span, use_span
+from opentelemetry.trace import Status as SpanStatus
 
 from services.common.access import RoleCheck
 from services.common.api_keys import ApiKeyCheck, WithKey, auth_metadata
@@ -48,22 +49,26 @@ TRACE_ROOTS = frozenset({"kvconductor.v1.Conductor/Generate"})  # methods that s
 class RpcError(Exception):
     """An error with the gRPC status code the caller should see."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.metadata = metadata  # trailing metadata for the caller (an SLO rejection's kind and retry-after)
 
 
-def _status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+Status = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
+
+
+def _status_of(error: BaseException) -> Status:
     if isinstance(error, RpcError):
-        return error.code, error.message
+        return error.code, error.message, error.metadata
     if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error), ()
     if isinstance(error, grpc.aio.AioRpcError):
         # A downstream call failed: keep its code, say where it came from.
-        return error.code(), f"upstream: {error.details()}"
+        return error.code(), f"upstream: {error.details()}", ()
     log.exception("unhandled error in a handler")
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}", ()
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -159,11 +164,11 @@ def _server_span(method: str, context: grpc.aio.ServicerContext) -> Span:
     return tracer.start_span(method, context=parent, kind=SpanKind.SERVER, record_exception=False)
 
 
-def _fail(span: Span, error: BaseException) -> tuple[grpc.StatusCode, str]:
-    code, message = _status_of(error)
+def _fail(span: Span, error: BaseException) -> Status:
+    code, message, metadata = _status_of(error)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    span.set_status(Status(StatusCode.ERROR, message))
-    return code, message
+    span.set_status(SpanStatus(StatusCode.ERROR, message))
+    return code, message, metadata
 
 
 def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:

@@ -61,6 +61,32 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 OVERHEAD_CAP = 0.25  # the learned TTFT overhead is at most this share of the TTFT SLO
 
 
+def rejection_error(rejection: Rejection, config: Config, colocated: bool) -> RpcError:
+    """RESOURCE_EXHAUSTED that names the SLO's key and what would help.
+
+    Trailing metadata: ``kvconductor-rejection`` (the kind: ttft_slo, tbt_slo, capacity) and, when waiting
+    would help (without T_queue the request meets the TTFT SLO), ``retry-after`` in seconds: how far the
+    queue puts it past the SLO.
+    """
+    metadata = [("kvconductor-rejection", rejection.kind)]
+    plan, advice = rejection.plan, ""
+    if rejection.kind in ("ttft_slo", "tbt_slo"):
+        ttft = rejection.kind == "ttft_slo"
+        pool = "colocated" if colocated else ("prefill" if ttft else "decode")
+        key = "max_ttft_ms" if ttft else "max_tbt_ms"
+        slo_ms = float(getattr(getattr(config, pool), key))
+        advice = f"; the SLO is [{pool}] {key} = {slo_ms:g}"
+        if ttft and plan is not None:
+            alone = plan.ttft - plan.prefill.t_queue
+            if alone * 1e3 <= slo_ms:
+                metadata.append(("retry-after", str(max(1, math.ceil(plan.ttft - slo_ms / 1e3)))))
+                advice += f"; without the queue ahead of it {alone * 1e3:.0f} ms: retry when it drains"
+            else:
+                advice += f"; even on an idle instance it takes {alone * 1e3:.0f} ms: raise the SLO or shorten it"
+        advice += f"; more {pool} workers raise the capacity"
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {rejection.reason}{advice}", tuple(metadata))
+
+
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     """``Conductor.Generate``, ``ExplainDecision`` and ``GetStatus``."""
 
@@ -281,7 +307,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if isinstance(outcome, Rejection):
             log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {outcome.reason}")
+            raise rejection_error(outcome, self.config, colocated=prefills is decodes)
         log.info("request %s: %s", job.name, outcome.reason)
         if outcome.probe:
             metrics.PROBES.inc()

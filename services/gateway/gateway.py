@@ -62,11 +62,23 @@ def _error(
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+# The error type of a Conductor's rejection, by its kind (trailing metadata kvconductor-rejection).
+REJECTION_TYPES = {"ttft_slo": "slo_rejection_error", "tbt_slo": "slo_rejection_error", "capacity": "capacity_error"}
+
+
 def _grpc_error(e: grpc.aio.AioRpcError, request_id: str) -> JSONResponse:
+    status, message = HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name
+    trailing = {k: v for k, v in (e.trailing_metadata() or ()) if isinstance(v, str)}
+    kind = trailing.get("kvconductor-rejection")
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or kind not in REJECTION_TYPES:
+        return _error(status, message, request_id=request_id)
     # An SLO rejection is the Conductor's considered answer for the current load: an SDK's automatic
-    # retries would add load at the worst moment. The client decides whether to try again.
-    retry = e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
-    return _error(HTTP_STATUS.get(e.code(), 500), e.details() or e.code().name, request_id=request_id, retry=retry)
+    # retries would add load at the worst moment. The client decides, told when waiting would help.
+    headers = {"x-should-retry": "false"} | ({"x-request-id": request_id} if request_id else {})
+    if "retry-after" in trailing:
+        headers["retry-after"] = trailing["retry-after"]
+    body = OpenAIError(status, message, REJECTION_TYPES[kind], code=kind).body
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class Gateway:

@@ -47,7 +47,10 @@ async def _one(client, request_id, prompt):
         arrivals = [time.monotonic() async for chunk in stream if chunk.choices and chunk.choices[0].text]
     except openai.RateLimitError as e:
         assert e.response.headers.get("x-should-retry") == "false"  # SDKs must not retry an SLO rejection
-        return ("rejected", str(e))
+        error = e.response.json()["error"]
+        assert (error["type"], error["code"]) == ("slo_rejection_error", "ttft_slo"), error  # not a rate limit
+        assert "the SLO is [prefill] max_ttft_ms = 1000" in error["message"], error  # the key to raise
+        return ("rejected", str(e), e.response.headers.get("retry-after"))
     return ("accepted", arrivals[0] - start, arrivals, request_id)
 
 
@@ -83,6 +86,8 @@ def test_overload_gets_429_with_reasons_and_accepted_requests_meet_the_slo(slo_c
     assert rejected, "a burst of 12 long prompts on one prefill worker must overflow a 1 s TTFT SLO"
     assert accepted
     assert all("predicted TTFT" in reason and "exceeds the SLO of 1000 ms" in reason for reason in rejected)
+    # Twelve prompts each a third of the SLO alone: the queue is what breaks it, so waiting would help.
+    assert any(r[2] is not None and int(r[2]) >= 1 for r in results if r[0] == "rejected"), rejected
     # A probe is admitted although its prediction misses the SLO (its instances were idle, so it relearns the
     # models); the SLO promise holds for the others. Only the burst's first request can find the worker idle.
     with ConductorClient(slo_cluster.conductor) as conductor:

@@ -154,6 +154,9 @@ class EngineConfig:
     # Also publish each worker's KV events in vLLM's ZMQ format (a PUB socket, named in its etcd record as
     # kv_events_endpoint), for routers that consume vLLM's events: vllm-router's kv_aware policy
     zmq_kv_events: bool = False
+    # Where a worker keeps its start-up profile, reused by the next start on the same model, engine, settings
+    # and host (services/worker/profile_cache.py); "" = profile at every start
+    profile_cache_dir: str = "~/.cache/kvconductor/profiles"
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""

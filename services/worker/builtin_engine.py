@@ -25,6 +25,7 @@ from engine.sampling import SamplingParams
 from scheduler.sim.profiles import named_profile
 from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
+from services.worker import profile_cache
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_loop import EngineDied, EngineLoop, next_output
 from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
@@ -248,7 +249,12 @@ def build(
         dtype=config.model.dtype,
         emulation=emulation,
     )
-    refiner = profile_engine(engine) if emulation is None else emulated_profile(emulation)
+    if emulation is not None:
+        refiner = emulated_profile(emulation)  # computed, not timed: nothing to keep
+    else:
+        key = profile_cache.fingerprint(config, role, pool_config)
+        refiner = profile_cache.load(config, key) or profile_engine(engine)
+        profile_cache.save(config, key, refiner)
     engine.pop_kv_events()  # the profile's blocks are not worth announcing,
     engine.reset_prefix_cache_stats()  # nor its lookups counting in the hit rate
     port = BuiltinEngine(engine, refiner)

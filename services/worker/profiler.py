@@ -30,6 +30,7 @@ PREFILL_SHAPES = ((16, 0), (64, 0), (256, 0), (512, 0), (128, 256), (256, 512)) 
 DECODE_SHAPES = ((1, 64), (1, 512), (4, 128), (8, 64), (8, 256))  # (batch, context per sequence)
 DECODE_STEPS = 4
 REPEATS = 3
+SHAPES = (PREFILL_SHAPES, DECODE_SHAPES, DECODE_STEPS, REPEATS)  # what a kept profile was measured at
 EMULATED_PREFILL_SHAPES = tuple((new, cached) for new in (16, 256, 2048, 8192, 32768) for cached in (0, new))
 EMULATED_DECODE_SHAPES = tuple((batch, context) for batch in (1, 8, 32, 128) for context in (256, 4096, 32768))
 LOCK_PATH = Path(tempfile.gettempdir()) / "kvconductor-profile.lock"

@@ -39,6 +39,7 @@ from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
+from services.worker import profile_cache
 from services.worker.cost_refiner import CostRefiner
 from services.worker.engine_loop import EngineDied
 from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
@@ -518,7 +519,9 @@ async def build(
     holder["engine"] = engine
     if caching:
         engine.events.subscribe(events_endpoint)
-    refiner = await profile_vllm(engine)
+    key = profile_cache.fingerprint(config, role, pool_config)
+    refiner = profile_cache.load(config, key) or await profile_vllm(engine)
+    profile_cache.save(config, key, refiner)
     engine.refiner = refiner
     register_engine(engine.snapshot)
     return engine, refiner, bootstrap

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,10 +25,12 @@ from pathlib import Path
 import httpx
 
 from cli.etcd_server import EmbeddedEtcd
+from services.common.child_process import die_with_parent
 from services.common.cluster_registry import etcd_auth
 from services.common.config import Config, load_config
 from services.common.net import free_port
 from services.common.registry import Registry
+from services.worker.bind_guard import listeners
 
 READY_TIMEOUT_S = 900.0  # loading and profiling a real model on a busy machine takes minutes
 PROGRESS_EVERY_S = 30.0
@@ -67,6 +70,7 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._ensure_model()
+            self._check_ports_free()
             self._start_etcd()
             self._resolve_ports()
             self._default_trace_dir()
@@ -114,6 +118,23 @@ class Cluster:
         )
         convert_gguf(smollm2_gguf(), model)
 
+    def _check_ports_free(self) -> None:
+        """Refuse to start over a cluster that still holds the configured ports, naming its processes."""
+        c = self.config
+        host, _, port = c.cluster.scheduler_endpoint.rpartition(":")
+        wanted = [("[gateway] port", c.gateway.host, c.gateway.port), ("[cluster] scheduler_endpoint", host, int(port))]
+        if not c.cluster.etcd_endpoints:
+            wanted.append(("[cluster] etcd_port", c.cluster.host, c.cluster.etcd_port))
+        for key, address, number in wanted:
+            if number == 0 or port_is_free(address, number):
+                continue
+            holders = port_holders(number)
+            who = "; ".join(f"pid {pid}: {command}" for pid, command in holders) or "by no process of this user"
+            stop = f"\nstop it with: kill {' '.join(str(pid) for pid, _ in holders)}" if holders else ""
+            elsewhere = 'or start this one on other ports (make run SET="gateway.port=8001 ...")'
+            raise RuntimeError(f"{key} {address}:{number} is in use ({who}): is an earlier cluster still running?"
+                               f"{stop}\n{elsewhere}")  # fmt: skip
+
     def _start_etcd(self) -> None:
         if self.config.cluster.etcd_endpoints:
             return
@@ -160,7 +181,8 @@ class Cluster:
         threads = str(getattr(self.config, role).torch_threads) if role in ("prefill", "decode", "colocated") else "1"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         with log_path.open("ab") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       preexec_fn=die_with_parent)  # fmt: skip
         self.children.append(Child(role, instance_id, process, log_path))
 
     def _wait_ready(self) -> None:
@@ -235,6 +257,30 @@ class Cluster:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now (as servers do, over connections in TIME_WAIT)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def port_holders(port: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes of this user listening on ``port``."""
+    holders = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(listener.port == port for listener in listeners(int(entry.name)).values()):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                holders.append((int(entry.name), command[:200]))
+        except (OSError, ValueError):  # gone, or another user's
+            continue
+    return holders
 
 
 def banner(cluster: Cluster) -> str:

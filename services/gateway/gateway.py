@@ -41,6 +41,7 @@ from services.gateway.chat_template import ChatTemplate
 from services.gateway.conductors import Conductors
 from services.gateway.openai_protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     OpenAIError,
     SamplingFields,
@@ -275,7 +276,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.model is not None and body.model != gateway.model:
         raise OpenAIError(404, f"model {body.model!r} does not exist", "not_found_error", "model", "model_not_found")
     tokenizer, max_model_len = gateway.tokenizer()
-    tokens = await tokenize_off_loop(tokenizer, body.prompt)
+    prompt = await _chat_prompt(gateway, body.messages) if body.messages is not None else body.prompt or ""
+    tokens = await tokenize_off_loop(tokenizer, prompt)
     return JSONResponse({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens})
 
 
@@ -303,9 +305,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """Chat completion, prompted through the model's chat template."""
     gateway = _gateway(request)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt = await asyncio.to_thread(gateway.template.render, messages)  # off the loop that streams the others
-    return await _generate(gateway, body, request, prompt, chat=True)
+    return await _generate(gateway, body, request, await _chat_prompt(gateway, body.messages), chat=True)
+
+
+async def _chat_prompt(gateway: Gateway, messages: list[ChatMessage]) -> str:
+    """The prompt text of chat messages, through the model's chat template (off the loop that streams)."""
+    return await asyncio.to_thread(gateway.template.render, [{"role": m.role, "content": m.text()} for m in messages])
 
 
 @contextlib.asynccontextmanager

@@ -124,12 +124,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (vLLM's extension)."""
+    """``POST /tokenize`` (vLLM's extension): a ``prompt``, or chat ``messages`` rendered as a chat request is."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:

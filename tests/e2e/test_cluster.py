@@ -397,3 +397,16 @@ def test_gateway_health_is_ready_only_once_a_worker_can_serve(cluster, tmp_path)
         for process in processes:
             process.terminate()
             process.wait(timeout=30)
+
+
+def test_tokenize_takes_chat_messages_as_a_chat_request_renders_them(cluster, model_dir):
+    from services.gateway.chat_template import ChatTemplate
+
+    url = cluster.rest.removesuffix("/v1")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    got = httpx.post(f"{url}/tokenize", json={"model": "tiny-llama", "messages": messages}, timeout=10).json()
+    prompt = ChatTemplate(model_dir).render(messages)
+    assert got["tokens"] == load_tokenizer(str(model_dir)).encode(prompt, add_special_tokens=False).ids
+    for neither_or_both in ({"model": "tiny-llama"}, {"prompt": "x", "messages": messages}):
+        refused = httpx.post(f"{url}/tokenize", json=neither_or_both, timeout=10)
+        assert refused.status_code == 400 and "either prompt or messages" in refused.json()["error"]["message"]

@@ -286,7 +286,7 @@ class ConductorPolicy:
         )
         plan = Plan(chosen, decode[0], decode[1], best_len, best_instance, estimates, "", slo.ttft_overhead,
                     solo=solo)  # fmt: skip
-        plan = replace(plan, reason=self._explain(plan, store))
+        plan = replace(plan, reason=self._explain(plan, store, colocated))
         return admit(plan, slo)
 
     def _estimate(
@@ -331,7 +331,7 @@ class ConductorPolicy:
             return local
         return chosen
 
-    def _explain(self, plan: Plan, store: CopySource | None) -> str:
+    def _explain(self, plan: Plan, store: CopySource | None, colocated: bool) -> str:
         e = plan.prefill
         others = ", ".join(
             f"{c.instance_id}={c.ttft * 1e3:.0f}ms" + (f"+{c.t_shared * 1e3:.0f}ms shared" if c.t_shared else "")
@@ -339,7 +339,8 @@ class ConductorPolicy:
         )
         source = f"the Mooncake Store ({e.copy_from})" if store and e.copy_from == store.instance_id else e.copy_from
         how = f"copies {e.copy_tokens} tokens of KV from {source}" if e.copy_from else "computes locally"
-        rule = f"{self.rule.explanation} ({others})"
+        shared = " plus the decode time it shares" if colocated else ""
+        rule = f"{self.rule.explanation.format(shared=shared)} ({others})"
         when = "when its prefill ends" if self.config.early_rejection == "prediction" else "now"
         return (
             f"prefill {e.instance_id} by {rule}; it reuses {e.prefix_len} tokens and {how}; "

@@ -35,7 +35,7 @@ class PrefillRule(Protocol):
     """Chooses the prefill instance among the estimates."""
 
     copies: bool  # whether KV-copy plans are considered
-    explanation: str  # how the choice is described in a decision's reason
+    explanation: str  # how the choice is described in a decision's reason ("{shared}": on colocated instances)
 
     def choose(
         self, estimates: Sequence[PrefillEstimate], candidates: Sequence[PrefillCandidate], request: RequestShape
@@ -47,7 +47,7 @@ class KvCacheCentric:
     """Least predicted TTFT (colocated: plus the decode time shared there); ties to the longer prefix, then the id."""
 
     copies = True
-    explanation = "least predicted TTFT (on colocated instances plus the decode time it shares)"
+    explanation = "least predicted TTFT{shared}"
 
     def choose(  # noqa: D102
         self, estimates: Sequence[PrefillEstimate], candidates: Sequence[PrefillCandidate], request: RequestShape

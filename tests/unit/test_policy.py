@@ -76,6 +76,7 @@ def test_prefix_holder_wins_when_idle():
     assert (plan.prefill.prefix_len, plan.prefill.copy_from) == (768, "")
     assert (plan.best_len, plan.best_instance) == (768, "p1")
     assert "p1" in plan.reason
+    assert plan.reason.startswith("prefill p1 by least predicted TTFT (") and "shares" not in plan.reason  # PD
 
 
 def test_busy_hot_holder_vs_idle_cold_instance_copy_or_recompute_by_bandwidth():
@@ -289,6 +290,7 @@ def test_a_colocated_instance_busy_decoding_loses_its_cache_advantage():
     plan = policy().schedule([holder, idle], decodes, shape(1040), SLO, None, colocated=True)
     assert isinstance(plan, Plan)
     assert (plan.prefill.instance_id, plan.decode_instance) == ("idle", "idle")
+    assert "by least predicted TTFT plus the decode time it shares (" in plan.reason
     quiet = replace(holder, decode_step_s=0.0)
     plan = policy().schedule([quiet, idle], decodes, shape(1040), SLO, None, colocated=True)
     assert isinstance(plan, Plan) and (plan.prefill.instance_id, plan.decode_instance) == ("holder", "holder")

@@ -59,8 +59,11 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
     except grpc.RpcError as e:
         health, blocks, hit_rate, running = f"unreachable ({e.code().name})", "-", "-", "-"
     model = _record(instance).cost_model
-    costs = "prefill c0={c0:.2e} c1={c1:.2e} c2={c2:.2e}; ".format(**model.prefill.to_dict())
-    costs += "decode d0={d0:.2e} d1={d1:.2e} d2={d2:.2e}".format(**model.decode.to_dict())
+    p, d = model.prefill, model.decode
+    costs = (
+        f"prefill {p.c0 * 1e3:.1f} ms + {p.c1 * 1e6:.0f} ms/1k tokens + {p.c2 * 1e9:.1f} ms/1M attention pairs; "
+        f"decode step {d.d0 * 1e3:.1f} ms + {d.d1 * 1e3:.2f} ms/sequence + {d.d2 * 1e6:.2f} ms/1k context tokens"
+    )
     return (instance.role, instance.instance_id, health, instance.address, blocks, running, hit_rate,
             f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
 
@@ -78,6 +81,11 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
     for lat in status.latencies:
         print(f"  {lat.metric.upper()} (n={lat.samples}): p50 {lat.p50_ms:.1f} ms, p90 {lat.p90_ms:.1f} ms, "
               f"p99 {lat.p99_ms:.1f} ms")  # fmt: skip
+    rejected = sum(status.rejections.values())
+    if rejected:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(status.rejections.items()))
+        print(f"  rejected since the Conductor started: {rejected} ({kinds}; `kvconductor explain ID` says why, "
+              "the 429 names the SLO's key)")  # fmt: skip
     if status.prediction_errors:
         errors = ", ".join(
             f"{e.metric} {e.median_relative_error:.0%} (n={e.samples})" for e in status.prediction_errors

@@ -10,6 +10,7 @@ downstream calls, which free their KV.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -104,6 +105,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.shared = SharedLoad(view, conductor_id, self.core.expected_output_tokens)
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
+        self.rejections: collections.Counter[str] = collections.Counter()  # by kind, since start
         # time outside the instances' models, per serving path (scheduler/ttft_overhead.py)
         self.overheads = {
             "disaggregated": TtftOverhead(OVERHEAD_CAP * config.prefill.max_ttft_ms / 1e3),
@@ -195,6 +197,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 for src, dst, n, fit in self.core.links.learned()
             ],
             store_json=json.dumps(self.view.store.to_json(), sort_keys=True) if self.view.store else "",
+            rejections=dict(self.rejections),
         )
 
     # -- admission -------------------------------------------------------------------------------
@@ -307,6 +310,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if isinstance(outcome, Rejection):
             log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
+            self.rejections[outcome.kind] += 1
             raise rejection_error(outcome, self.config, colocated=prefills is decodes)
         log.info("request %s: %s", job.name, outcome.reason)
         if outcome.probe:

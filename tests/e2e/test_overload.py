@@ -7,11 +7,12 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import time
 
 import openai
 import pytest
-from helpers import running_cluster, worker_record
+from helpers import cli, running_cluster, worker_record
 
 from cli.client import ConductorClient
 
@@ -100,3 +101,6 @@ def test_overload_gets_429_with_reasons_and_accepted_requests_meet_the_slo(slo_c
         assert 0 < d.outcome.ttft_ms <= MAX_TTFT_S * 1e3 * TOLERANCE, d
         assert d.outcome.tbt_ms <= MAX_TBT_S * 1e3 * TOLERANCE, d
     assert all(len(r[2]) > 1 for r in accepted)  # and every accepted request streamed its tokens
+    status = cli(slo_cluster, "status")
+    counted = re.search(r"rejected since the Conductor started: (\d+) \(ttft_slo (\d+)", status.stdout)
+    assert counted and int(counted[1]) == int(counted[2]) >= len(rejected), status.stdout  # warm-up ones too

@@ -24,6 +24,7 @@ def _alive(pid: int) -> bool:
 
 def test_kill_9_of_the_launcher_stops_every_service_and_the_ports_serve_again(tmp_path, model_dir):
     first = launch_cluster(tmp_path / "first", model_dir, "prefill.node_count=1", "decode.node_count=1")
+    assert (tmp_path / "first" / "etcd-data").is_dir()
     pids = {i: p["pid"] for i, p in first.manifest["processes"].items()}
     pids["etcd"] = first.manifest["embedded_etcd"]["pid"]
     try:
@@ -41,7 +42,10 @@ def test_kill_9_of_the_launcher_stops_every_service_and_the_ports_serve_again(tm
     same = [f"gateway.port={first.rest.rsplit(':', 1)[1].split('/')[0]}",
             f'cluster.scheduler_endpoint="{first.conductor}"', f"cluster.etcd_port={etcd_port}"]  # fmt: skip
     second = launch_cluster(tmp_path / "second", model_dir, "prefill.node_count=1", "decode.node_count=1", *same)
+    assert not (tmp_path / "first" / "etcd-data").exists()  # the killed run's etcd data: dropped, its logs kept
+    assert (tmp_path / "first" / "up.log").exists() and (tmp_path / "second" / "etcd-data").is_dir()
     stop_cluster(second.process)
+    assert not (tmp_path / "second" / "etcd-data").exists()  # a clean stop drops its own
 
 
 def test_a_port_still_held_is_named_with_its_process(tmp_path, model_dir):

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import fresh_out, git_state
 from bench.serve import metrics
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import DEFAULT_TRACE, BenchRequest, TraceScale, load_trace, random_lengths, shared_prefix
@@ -38,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL ending in /v1")
     p.add_argument("--model", required=True, help="the model field of every request")
     p.add_argument("--api-key", help="bearer key, if the server wants one")
-    p.add_argument("--out", help="write the summary and per-request results as JSON here")
+    p.add_argument("--out", help="the JSON to write, a .md table beside it (default: a fresh folder under runs/bench/)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_workload_arguments(p)
     pace = p.add_argument_group("pacing and SLO")
@@ -155,12 +157,26 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(metrics.format_table(record["summary"]))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
-        print(f"wrote {args.out}")
+    table = metrics.format_table(record["summary"])
+    print(table)
+    out = Path(args.out) if args.out else Path(fresh_out("serve")) / "serve.json"
+    record = {"kind": "serve", "code": git_state(), "command": command_line(), **record}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text(f"`{record['command']}` (code {record['code']})\n\n{table}\n")
+    print(f"wrote {out} and {out.with_suffix('.md').name}")
     return 0
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed, its API key hidden."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    for i, word in enumerate(words):
+        if word == "--api-key" and i + 1 < len(words):
+            words[i + 1] = "***"
+        elif word.startswith("--api-key="):
+            words[i] = "--api-key=***"
+    return "kvconductor " + shlex.join(words)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ def test_bench_serve_against_a_cluster(tmp_path, model_dir):
                 "--num-prefixes", "2", "--suffixes-per-prefix", "3", "--prefix-len", "64", "--suffix-len", "8",
                 "--output-len", "4", "--concurrency", "2", "--quiet", "--out", str(out)]  # fmt: skip
         assert main(args) == 0
-    summary = json.loads(out.read_text())["summary"]
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("kvconductor ") and record["code"]  # (sys.argv: pytest's here)
+    assert "| " in out.with_suffix(".md").read_text()  # the table beside it
+    summary = record["summary"]
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["ttft_ms"]["median"] > 0
     assert summary["prefix_cache_hit_rate"] > 0

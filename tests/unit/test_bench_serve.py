@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve.cli import add_arguments, build_workload, pacing
+from bench.serve.cli import add_arguments, build_workload, command_line, pacing
 from bench.serve.client import RequestResult, error_reason
 from bench.serve.metrics import percentile, summarize, within_slo
 from bench.serve.runner import _open_loop, arrival_times, poisson_arrivals
@@ -160,3 +160,10 @@ def test_unreachable_base_url_is_one_line(capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot reach http://127.0.0.1:1/v1") and "\n" not in err
+
+
+def test_the_recorded_command_hides_the_api_key():
+    assert command_line(["bench", "serve", "--api-key", "sk-secret", "--model", "m"]) == (
+        "kvconductor bench serve --api-key '***' --model m"
+    )
+    assert "sk-secret" not in command_line(["bench", "serve", "--api-key=sk-secret"])

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL ending in /v1")
     p.add_argument("--model", required=True, help="the model field of every request")
     p.add_argument("--api-key", help="bearer key, if the server wants one")
-    p.add_argument("--out", help="the JSON to write, a .md table beside it (default: a fresh folder under runs/bench/)")
+    p.add_argument("--out", help="the JSON to write, the summary as .md beside it (default: a fresh folder under runs/bench/)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_workload_arguments(p)
     pace = p.add_argument_group("pacing and SLO")
@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
     record = {"kind": "serve", "code": git_state(), "command": command_line(), **record}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(metrics.jsonable(record), indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(f"`{record['command']}` (code {record['code']})\n\n{table}\n")
+    out.with_suffix(".md").write_text(f"`{record['command']}` (code {record['code']})\n\n```\n{table}\n```\n")
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return 0
 

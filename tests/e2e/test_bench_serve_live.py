@@ -18,7 +18,7 @@ def test_bench_serve_against_a_cluster(tmp_path, model_dir):
         assert main(args) == 0
     record = json.loads(out.read_text())
     assert record["command"].startswith("kvconductor ") and record["code"]  # (sys.argv: pytest's here)
-    assert "| " in out.with_suffix(".md").read_text()  # the table beside it
+    assert "prefix-cache hit rate" in out.with_suffix(".md").read_text()  # the summary beside it
     summary = record["summary"]
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["ttft_ms"]["median"] > 0

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL ending in /v1")
     p.add_argument("--model", required=True, help="the model field of every request")
     p.add_argument("--api-key", help="bearer key, if the server wants one")
-    p.add_argument("--out", help="the JSON to write, the summary as .md beside it (default: a fresh folder under runs/bench/)")
+    p.add_argument("--out", help="JSON to write, the summary as .md beside it (default: a new folder in runs/bench/)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_workload_arguments(p)
     pace = p.add_argument_group("pacing and SLO")

@@ -3,8 +3,8 @@
 The shape follows the user's seed (``[cluster]``, ``[prefill]``, ``[decode]``, ``[scheduler]``) plus
 ``[colocated]``, ``[model]``, ``[engine]``, ``[emulation]``, ``[gateway]``, ``[telemetry]`` and ``[store]``.
 Loading rejects unknown sections and keys, wrong types and out-of-range values with a :class:`ConfigError`
-that names the key, so a typo stops start-up instead of being silently ignored. The README's config
-reference mirrors these docstrings.
+that names the key, so a typo stops start-up instead of being silently ignored. The config
+reference in docs/configuration.md mirrors these docstrings.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prometheus metrics of every process (text format on ``/metrics``); the README lists them.
+"""Prometheus metrics of every process (text format on ``/metrics``); docs/observability.md lists them.
 
 The series live in the default registry of each process: the Conductor's request series, the workers'
 KV-transfer series and a collector that reads the engine's live load at scrape time, the gateway's HTTP

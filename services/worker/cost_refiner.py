@@ -2,7 +2,7 @@
 
 A step is a prefill sample when it only computes prompt chunks and a decode sample when it only decodes
 (one new token per sequence); the mixed steps of a colocated worker fit neither model and are skipped.
-The models follow the machine both ways, by these rules (the README's "Cost models" repeats them):
+The models follow the machine both ways, by these rules (docs/design.md, "Cost models", repeats them):
 
 * **Window.** Only steps measured in the last ``HORIZON_S`` seconds count, at most ``WINDOW`` of each
   kind; older ones are dropped.

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = Path(sys.executable).parent / "kubectl"
 K8S_VERSION = "1.37.0"
 TREES = ["base", "overlays/cpu", "overlays/gpu"]
-# Made by the user before the first apply (README, "Deploying on Kubernetes"), so absent from the render.
+# Made by the user before the first apply (docs/kubernetes.md, step 2 "Secrets"), so absent from the render.
 USER_MADE = {("Secret", "kvconductor-ca"), ("Secret", "kvconductor-api-keys"),
              ("PersistentVolumeClaim", "kvconductor-models")}  # fmt: skip
 WORKLOADS = ("Deployment", "StatefulSet")

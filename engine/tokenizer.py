@@ -50,11 +50,26 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
-async def tokenize_off_loop(tokenizer: Tokenizer, text: str) -> list[int]:
+class TooManyTokens(ValueError):
+    """A text of more tokens than the caller's bound (``count``: how many)."""
+
+    def __init__(self, count: int, bound: int) -> None:
+        super().__init__(f"{count} tokens exceed {bound}")
+        self.count = count
+
+
+async def tokenize_off_loop(tokenizer: Tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
     """``text``'s token ids, computed on a thread without the GIL: a long prompt delays no other stream.
 
     ``encode_batch`` releases the GIL while it runs (``encode`` holds it: measured here, a 1 MB prompt froze the
-    event loop for its whole 2 s).
+    event loop for its whole 2 s). Turning the ids into Python ints holds it, on whichever thread (about 12 ms
+    for a million): a text of more than ``max_tokens`` tokens raises ``TooManyTokens`` before that.
     """
-    encodings = await asyncio.to_thread(tokenizer.encode_batch, [text], add_special_tokens=False)
-    return list(encodings[0].ids)
+    return await asyncio.to_thread(_ids, tokenizer, text, max_tokens)
+
+
+def _ids(tokenizer: Tokenizer, text: str, max_tokens: int | None) -> list[int]:
+    encoding = tokenizer.encode_batch([text], add_special_tokens=False)[0]
+    if max_tokens is not None and len(encoding) > max_tokens:
+        raise TooManyTokens(len(encoding), max_tokens)
+    return list(encoding.ids)

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from tokenizers import Tokenizer
 
 from engine.block_hash import prefix_block_hashes
-from engine.tokenizer import tokenize_off_loop
+from engine.tokenizer import TooManyTokens, tokenize_off_loop
 from kvconductor.v1 import (
     colocated_pb2,
     common_pb2,
@@ -209,9 +209,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if max_len == 0:
             raise RpcError(UNAVAILABLE, "no healthy workers")
         check_limits(request, self.config.scheduler)
-        prompt = await self._prompt_ids(request)
-        if len(prompt) >= max_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {max_len}")
+        prompt = await self._prompt_ids(request, max_len)
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         _check_sampling(sampling)
@@ -237,11 +235,22 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             job.generated = resumed
         return job
 
-    async def _prompt_ids(self, request: conductor_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: conductor_pb2.GenerateRequest, max_len: int) -> list[int]:
+        """The prompt's token ids, refused when empty, not shorter than ``max_len`` or outside the vocabulary.
+
+        The length is checked first, before any per-token work on the loop (a list of the ids, the vocabulary
+        scan): a 1 MiB text prompt is a million tokens, tens of ms that every stream through this Conductor
+        would wait for (bench/serve/neighbours.py).
+        """
         which = request.WhichOneof("prompt")
         if which == "text":
-            prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text)
+            try:
+                prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
+            except TooManyTokens as e:
+                raise ValueError(_too_long(e.count, max_len)) from None
         elif which == "token_ids":
+            if len(request.token_ids.ids) >= max_len:
+                raise ValueError(_too_long(len(request.token_ids.ids), max_len))
             prompt = list(request.token_ids.ids)
         else:
             raise ValueError("the request needs a prompt: text or token_ids")
@@ -702,6 +711,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if job.decision is not None:
             job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
         self.core.observe_completion(completion_tokens)
+
+
+def _too_long(tokens: int, max_len: int) -> str:
+    return f"the prompt has {tokens} tokens; this model's context length is {max_len}"
 
 
 def _check_sampling(sampling: common_pb2.SamplingParams) -> None:

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from services.common.config import LIMIT_RANGES
 
 UINT32_MAX = 2**32 - 1
 MAX_MESSAGES = 4096  # chat messages per request (the body is bounded too: [gateway] max_request_bytes)
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+# Lists the Conductor bounds by a [scheduler] key, and the most that key may be set to: a longer list is refused
+# here, before its items are validated and copied into the Conductor's request on the gateway's loop (100,000
+# stop strings: about 10 ms); the Conductor checks the configured bound.
+_HIGHEST = {key: high for key, _, high in LIMIT_RANGES}
+MOST_ITEMS = {field: (key, _HIGHEST[key]) for field, key in (("stop", "max_stop_strings"),
+                                                             ("stop_token_ids", "max_stop_token_ids"))}  # fmt: skip
 
 
 class OpenAIError(Exception):
@@ -52,6 +60,14 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     logprobs: bool | int | None = None  # refused when asked for: not returned (rather than silently dropped)
     top_logprobs: int | None = None
+
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _at_most_any_limit(cls, value: Any, info: ValidationInfo) -> Any:
+        key, most = MOST_ITEMS[str(info.field_name)]
+        if isinstance(value, list) and len(value) > most:
+            raise ValueError(f"{len(value)} items exceed {most}, the most [scheduler] {key} allows")
+        return value
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> SamplingFields:

@@ -167,3 +167,33 @@ def test_the_recorded_command_hides_the_api_key():
         "kvconductor bench serve --api-key '***' --model m"
     )
     assert "sk-secret" not in command_line(["bench", "serve", "--api-key=sk-secret"])
+
+
+def test_neighbours_hostile_bodies_sit_at_and_just_over_the_limits():
+    from bench.serve.neighbours import KINDS, Limits, hostile_bodies
+
+    limits = Limits(max_prompt_bytes=4096, max_request_bytes=8192, max_stop_strings=16)
+    bodies = hostile_bodies(list(KINDS), "m", limits, stop_strings=1000)
+    stops = json.loads(bodies["stops"][1])["stop"]
+    assert len(set(stops)) == 1000
+    assert len(json.loads(bodies["prompt-at-limit"][1])["prompt"].encode()) == 4096
+    assert len(bodies["chat-at-limit"][1]) <= 8192 and bodies["chat-at-limit"][0] == "/chat/completions"
+    assert len(json.loads(bodies["prompt-over-limit"][1])["prompt"].encode()) == 4097
+    assert len(bodies["body-over-limit"][1]) == 8193
+    tight = hostile_bodies(["prompt-at-limit"], "m", Limits(1 << 20, 1 << 20, 16), 1)  # the body limit binds
+    assert len(tight["prompt-at-limit"][1]) <= 1 << 20
+
+
+def test_neighbours_verdict_bounds_hostile_p99_by_the_quiet_spread():
+    from bench.serve.neighbours import verdict
+
+    def phase(name, p99, statuses=()):
+        answers = [{"kind": "stops", "status": s} for s in statuses]
+        return {"phase": name, "stats": {"p99": p99, "errors": []}, "answers": answers}
+
+    quiet = [phase("quiet 1", 10.0), phase("quiet 3", 12.0), phase("quiet 2", 11.0)]  # median 11, spread 2
+    ok = verdict([*quiet, phase("hostile 1", 17.0, (400, 413))])
+    assert ok["passed"] and ok["bound_ms"] == 17.0
+    assert not verdict([*quiet, phase("hostile 1", 17.1, (400,))])["within_noise"]
+    accepted = verdict([*quiet, phase("hostile 1", 10.0, (400, 200))])
+    assert accepted["within_noise"] and not accepted["refused"] and not accepted["passed"]

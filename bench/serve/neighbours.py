@@ -8,12 +8,18 @@ Issue 27's acceptance line: 100,000 stop strings and a 1 MB prompt are refused o
 streams running beside them stays within the measured noise of a quiet run.
 
 Steps: start a cluster (``kvconductor up``: 1 prefill + 1 decode worker, the tiny random-weight model,
-64 MiB of KV each, free ports; ``--set`` adds overrides) or use ``--base-url``; warm up (one set of
-streams, then each hostile kind once, which must be refused); then ``--rounds`` times a quiet phase and
-a hostile phase, and a last quiet phase (Q H Q H ... Q, so drift of the machine's load shows in the
-quiet phases on both sides of every hostile one). A phase runs ``--streams`` greedy streaming
-completions of ``--output-len`` tokens (``ignore_eos``, token-id prompts: nothing to tokenize) at
-once and records every chunk's arrival (``bench.serve.client``). In a hostile phase a separate
+64 MiB of KV each, free ports; ``--set`` adds overrides) or use ``--base-url``; warm up (twice
+``--streams`` candidate streams, then each hostile kind once, which must be refused); then ``--rounds``
+times a quiet phase and a hostile phase, and a last quiet phase (Q H Q H ... Q, so drift of the
+machine's load shows in the quiet phases on both sides of every hostile one). Every phase runs the same
+``--streams`` greedy streaming completions of ``--output-len`` tokens at once (``ignore_eos``,
+token-id prompts: nothing to tokenize) and records every chunk's arrival (``bench.serve.client``).
+
+Chunks, not tokens: a token whose text is an incomplete UTF-8 character sends no chunk (the Conductor
+holds it back), so one gap can span many tokens. The random-weight model's byte outputs do that for
+runs of up to hundreds of tokens (one gap of seconds), so the warm-up keeps the candidates with the most
+chunks (their counts are reported), and greedy decoding gives each phase exactly the same chunks: the
+phases differ in timing only. In a hostile phase a separate
 process (so building and sending its bodies costs the measuring loop nothing) sends, one after another
 in a loop (``--hostile-concurrency`` loops), until the streams end:
 
@@ -408,7 +414,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"- finished: {record['finished_at']}, {record['wall_s']:.0f} s; cluster: {record['cluster']}",
         f"- limits: {record['limits']}",
         f"- {record['config']['streams']} streams x {record['config']['output_len']} tokens per phase; hostile "
-        f"loops: {record['config']['hostile_concurrency']}",
+        f"loops: {record['config']['hostile_concurrency']}; chunks per candidate stream in the warm-up (the most "
+        f"chunked {record['config']['streams']} run in every phase): {record['warmup_chunks']}",
         "",
         "Token gaps of the neighbour streams, pooled per phase (ms):",
         "",
@@ -481,9 +488,14 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         target = running.target
         asyncio.run(check_target(target))
         n, m = args.streams, args.output_len
-        warm = random_lengths(n, (args.prompt_len, args.prompt_len), (m, m), args.seed + 1)
-        log(f"warm-up: {n} streams, then each hostile kind once")
-        phase(target, "warm-up", warm, None, 1, log)
+        candidates = random_lengths(2 * n, (args.prompt_len, args.prompt_len), (m, m), args.seed)
+        log(f"warm-up: {2 * n} candidate streams (the {n} with the most chunks run in every phase), then each "
+            "hostile kind once")  # fmt: skip
+        warm = phase(target, "warm-up", candidates, None, 1, log)
+        chunks = [len(itl) + 1 for itl in warm["itl_ms"]]
+        best = sorted(range(len(candidates)), key=lambda i: -chunks[i])[:n]
+        requests = [candidates[i] for i in sorted(best)]
+        log(f"chunks per {m}-token stream: {chunks}; chosen: {[chunks[i] for i in sorted(best)]}")
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         with httpx.Client(base_url=target.base_url, timeout=HOSTILE_TIMEOUT_S, headers=headers) as client:
             for kind, (path, body) in bodies.items():
@@ -491,10 +503,8 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 log(f"  {kind}: {a['status']} in {a['latency_s'] * 1e3:.0f} ms: {a['reason'][:150]}")
         phases = []
         for i in range(args.rounds + 1):
-            requests = random_lengths(n, (args.prompt_len, args.prompt_len), (m, m), args.seed + 10 * i)
             phases.append(phase(target, f"quiet {i + 1}", requests, None, 1, log))
             if i < args.rounds:
-                requests = random_lengths(n, (args.prompt_len, args.prompt_len), (m, m), args.seed + 10 * i + 5)
                 phases.append(phase(target, f"hostile {i + 1}", requests, bodies, args.hostile_concurrency, log))
         description = running.description
     answers = [a for p in phases for a in p.get("answers", [])]
@@ -508,6 +518,7 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         "cluster": description,
         "limits": vars(limits),
         "bodies_bytes": {k: len(b) for k, (_, b) in bodies.items()},
+        "warmup_chunks": chunks,
         "phases": phases,
         "hostile": hostile_stats(answers),
         "verdict": verdict(phases),

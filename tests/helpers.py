@@ -32,7 +32,7 @@ FAR_SLOS = (
 TEST_OVERRIDES = (
     "prefill.kv_cache_memory_mb=64", "decode.kv_cache_memory_mb=64", "colocated.kv_cache_memory_mb=64",
     "cluster.lease_ttl_s=2",
-    'engine.profile_cache_dir=""',  # every test cluster profiles its engines (tests/e2e/test_profile_cache.py keeps)
+    'engine.profile_cache_dir=""',  # every test cluster profiles its engines (tests/e2e/test_profile_reuse.py keeps)
 )  # fmt: skip
 
 

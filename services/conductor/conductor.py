@@ -247,7 +247,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             try:
                 prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
             except TooManyTokens as e:
-                raise ValueError(_too_long(e.count, max_len)) from None
+                raise ValueError(_too_long(e.count, max_len, e.at_least)) from None
         elif which == "token_ids":
             if len(request.token_ids.ids) >= max_len:
                 raise ValueError(_too_long(len(request.token_ids.ids), max_len))
@@ -713,8 +713,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.core.observe_completion(completion_tokens)
 
 
-def _too_long(tokens: int, max_len: int) -> str:
-    return f"the prompt has {tokens} tokens; this model's context length is {max_len}"
+def _too_long(tokens: int, max_len: int, at_least: bool = False) -> str:
+    return f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; this model's context length is {max_len}"
 
 
 def _check_sampling(sampling: common_pb2.SamplingParams) -> None:

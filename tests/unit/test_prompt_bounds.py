@@ -3,12 +3,16 @@
 ``bench/serve/neighbours.py`` measures the streams beside such requests; these pin the order of the checks.
 """
 
+import asyncio
+import os
 from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+from tokenizers import normalizers
 
-from engine.tokenizer import TooManyTokens, build_byte_level_tokenizer, tokenize_off_loop
+import engine.tokenizer
+from engine.tokenizer import TooManyTokens, build_byte_level_tokenizer, max_token_bytes, tokenize_off_loop
 from kvconductor.v1 import conductor_pb2
 from services.common.config import config_from_dict
 from services.conductor.conductor import ConductorServicer
@@ -23,6 +27,33 @@ async def test_a_text_over_the_token_bound_is_refused_before_its_ids_become_pyth
         await tokenize_off_loop(tokenizer, "hello!", max_tokens=5)
     assert refused.value.count == 6
     assert await tokenize_off_loop(tokenizer, "x" * 100) == [ord("x")] * 100  # no bound
+
+
+async def test_a_text_whose_bytes_prove_it_too_long_is_refused_without_tokenizing(monkeypatch):
+    tokenizer = build_byte_level_tokenizer()
+    assert max_token_bytes(tokenizer) == len("<|start_header_id|>")  # the longest token: a special one
+    monkeypatch.setattr("engine.tokenizer._ids", lambda *a: pytest.fail("tokenized a text its bytes refuse"))
+    with pytest.raises(TooManyTokens) as refused:
+        await tokenize_off_loop(tokenizer, "é" * 1000, max_tokens=100)  # 2,000 bytes: at least 2000 // 19
+    assert refused.value.at_least and refused.value.count == 2000 // 19
+
+
+def test_no_bytes_bound_is_claimed_where_a_normalizer_may_shrink_the_text():
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.normalizer = normalizers.NFC()
+    assert max_token_bytes(tokenizer) is None
+
+
+async def test_tokenizing_runs_at_the_lowest_cpu_priority():
+    async def nice_of_the_thread() -> int:
+        loop = asyncio.get_running_loop()
+        tokenizer = build_byte_level_tokenizer()
+        await tokenize_off_loop(tokenizer, "warm the pool")
+        return await loop.run_in_executor(engine.tokenizer._pool, os.getpriority, os.PRIO_PROCESS, 0)
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    assert await nice_of_the_thread() == 19
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the calling thread keeps its own
 
 
 @pytest.mark.parametrize(

@@ -20,20 +20,27 @@ holds it back), so one gap can span many tokens. The random-weight model's byte 
 runs of up to hundreds of tokens (one gap of seconds), so the warm-up keeps the candidates with the most
 chunks (their counts are reported), and greedy decoding gives each phase exactly the same chunks: the
 phases differ in timing only. In a hostile phase a separate
-process (so building and sending its bodies costs the measuring loop nothing) sends, one after another
+process at nice 19 (so building and sending its bodies costs the measuring loop nothing, and the cores
+the servers share with it only what they leave idle: an attacker's CPU is its own) sends, one after another
 in a loop (``--hostile-concurrency`` loops), until the streams end:
 
 - ``stops``: a completion with ``--stop-strings`` distinct stop strings (refused: ``max_stop_strings``);
 - ``prompt-at-limit``: a text prompt of ``[scheduler] max_prompt_bytes`` bytes, or as many as fit the body
   limit (refused after tokenizing, off the loop: more tokens than the model's context);
 - ``chat-at-limit``: the same text as one chat message (rendered by the chat template, then tokenized);
+- ``prompt-tokenized``: the longest text prompt whose bytes do not prove it longer than the context
+  (context x the tokenizer's longest token in bytes, ``engine.tokenizer.max_token_bytes``, x 16 where
+  the tokenizer claims no such bound; at most the ``prompt-at-limit`` size): the Conductor must tokenize
+  it (on a nice-19 thread) before refusing it, the costliest prompt a client can send;
 - ``prompt-over-limit``: a prompt of ``max_prompt_bytes + 1`` bytes (refused: 413 when the body is then
   beyond ``[gateway] max_request_bytes``, else 400 naming ``max_prompt_bytes``);
 - ``body-over-limit``: a body of ``max_request_bytes + 1`` bytes sent chunked, without Content-Length
   (refused 413 as it arrives).
 
 The limits are read from ``--config`` and ``--set`` (those of the own cluster; with ``--base-url``, say
-what the server runs with). Each hostile answer is counted by kind and status, with its latency.
+what the server runs with), the context length from the server's ``/tokenize`` and the tokenizer from
+the config's ``[model] path`` where it is on this machine. Each hostile answer is counted by kind and
+status, with its latency.
 
 Verdict. Refused: every hostile request in the measured phases got 400 or 413 (nothing accepted, no
 5xx, no transport error). Within noise: the TBT statistic is the p99 of every token gap of a phase's
@@ -54,6 +61,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import shlex
 import signal
@@ -78,7 +86,8 @@ from bench.serve.runner import Target, check_target
 from bench.serve.workloads import BenchRequest, random_lengths
 from cli.local_cluster import REPO, TINY_MODEL, local_cluster
 
-KINDS = ("stops", "prompt-at-limit", "chat-at-limit", "prompt-over-limit", "body-over-limit")
+KINDS = ("stops", "prompt-at-limit", "chat-at-limit", "prompt-tokenized", "prompt-over-limit", "body-over-limit")
+UNBOUNDED_TOKEN_BYTES = 16  # bytes per token assumed for ``prompt-tokenized`` where the tokenizer gives no bound
 CLUSTER = ("prefill.node_count=1", "decode.node_count=1", "colocated.node_count=0",
            "prefill.kv_cache_memory_mb=64", "decode.kv_cache_memory_mb=64")  # fmt: skip
 REFUSED = (400, 413)
@@ -140,6 +149,7 @@ class Limits:
     max_prompt_bytes: int
     max_request_bytes: int
     max_stop_strings: int
+    tokenized_bytes: int  # the longest text prompt that is tokenized before it is refused
 
 
 # -- the hostile sender (a separate process) -----------------------------------------------------------------
@@ -200,6 +210,8 @@ def hostile_bodies(kinds: list[str], model: str, limits: Limits, stop_strings: i
         elif kind == "chat-at-limit":
             body = base | {"messages": [{"role": "user", "content": _text(at_limit, 2)}]}
             out[kind] = ("/chat/completions", _dump(body))
+        elif kind == "prompt-tokenized":
+            out[kind] = ("/completions", _dump(base | {"prompt": _text(min(at_limit, limits.tokenized_bytes), 5)}))
         elif kind == "prompt-over-limit":
             out[kind] = ("/completions", _dump(base | {"prompt": _text(limits.max_prompt_bytes + 1, 3)}))
         elif kind == "body-over-limit":
@@ -233,7 +245,11 @@ def hostile_loop(
     base_url: str, headers: dict[str, str], bodies: dict[str, tuple[str, bytes]], offset: int, stop: Event,
     ready: Event, pipe: Connection,
 ) -> None:  # fmt: skip
-    """Send the kinds in turn (starting at ``offset``) until ``stop``; the answers go back through ``pipe``."""
+    """Send the kinds in turn (starting at ``offset``) until ``stop``; the answers go back through ``pipe``.
+
+    At nice 19: an attacker's own CPU is on its machine, not on the servers' cores (here they share two).
+    """
+    os.nice(19)
     kinds = list(bodies)
     answers = []
     with httpx.Client(base_url=base_url, headers=headers, timeout=HOSTILE_TIMEOUT_S) as client:
@@ -467,26 +483,36 @@ def cluster(args: argparse.Namespace, log: Log) -> Iterator[Running]:
         log("stopping the cluster")
 
 
-def limits_of(args: argparse.Namespace) -> Limits:
-    """The bounds of the config the cluster runs with."""
+def limits_of(args: argparse.Namespace, target: Target) -> Limits:
+    """The bounds of the config the cluster runs with; the context length as the server reports it."""
+    from engine.tokenizer import load_tokenizer, max_token_bytes
     from services.common.config import load_config
 
     config = load_config(args.config, (*TINY_MODEL, *args.set) if not args.base_url else args.set)
     s, g = config.scheduler, config.gateway
-    return Limits(s.max_prompt_bytes, g.max_request_bytes, s.max_stop_strings)
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    root = target.base_url.removesuffix("/v1")  # /tokenize sits beside /v1, as on vLLM's server
+    answer = httpx.post(f"{root}/tokenize", json={"prompt": "x"}, headers=headers, timeout=60)
+    answer.raise_for_status()
+    per_token = None
+    if (Path(config.model.path) / "tokenizer.json").is_file():
+        per_token = max_token_bytes(load_tokenizer(config.model.path))
+    # the bound refuses more than max_model_len - 1 tokens' worth of bytes (a prompt leaves room for one token)
+    tokenized = (answer.json()["max_model_len"] - 1) * (per_token or UNBOUNDED_TOKEN_BYTES)
+    return Limits(s.max_prompt_bytes, g.max_request_bytes, s.max_stop_strings, tokenized)
 
 
 def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     """Warm up, then the phases; the JSON record."""
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    limits = limits_of(args)
-    log(f"limits: {limits}; building the hostile bodies")
-    bodies = hostile_bodies(kinds, args.model, limits, args.stop_strings)
-    log("bodies: " + ", ".join(f"{k} {len(b) / 1024:.0f} KiB" for k, (_, b) in bodies.items()))
     t0 = time.monotonic()
     with cluster(args, log) as running:
         target = running.target
         asyncio.run(check_target(target))
+        limits = limits_of(args, target)
+        log(f"limits: {limits}; building the hostile bodies")
+        bodies = hostile_bodies(kinds, args.model, limits, args.stop_strings)
+        log("bodies: " + ", ".join(f"{k} {len(b) / 1024:.0f} KiB" for k, (_, b) in bodies.items()))
         n, m = args.streams, args.output_len
         candidates = random_lengths(2 * n, (args.prompt_len, args.prompt_len), (m, m), args.seed)
         log(f"warm-up: {2 * n} candidate streams (the {n} with the most chunks run in every phase), then each "

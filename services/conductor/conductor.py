@@ -26,7 +26,7 @@ from opentelemetry import trace
 from tokenizers import Tokenizer
 
 from engine.block_hash import prefix_block_hashes
-from engine.tokenizer import TooManyTokens, tokenize_off_loop
+from engine.tokenizer import TooManyTokens, tokenize_off_loop, too_long
 from kvconductor.v1 import (
     colocated_pb2,
     common_pb2,
@@ -247,10 +247,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             try:
                 prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
             except TooManyTokens as e:
-                raise ValueError(_too_long(e.count, max_len, e.at_least)) from None
+                raise ValueError(too_long(e.count, max_len, e.at_least)) from None
         elif which == "token_ids":
             if len(request.token_ids.ids) >= max_len:
-                raise ValueError(_too_long(len(request.token_ids.ids), max_len))
+                raise ValueError(too_long(len(request.token_ids.ids), max_len))
             prompt = list(request.token_ids.ids)
         else:
             raise ValueError("the request needs a prompt: text or token_ids")
@@ -711,10 +711,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if job.decision is not None:
             job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
         self.core.observe_completion(completion_tokens)
-
-
-def _too_long(tokens: int, max_len: int, at_least: bool = False) -> str:
-    return f"the prompt has {'at least ' if at_least else ''}{tokens} tokens; this model's context length is {max_len}"
 
 
 def _check_sampling(sampling: common_pb2.SamplingParams) -> None:

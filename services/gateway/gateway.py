@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
-from engine.tokenizer import load_tokenizer, tokenize_off_loop
+from engine.tokenizer import TooManyTokens, check_prompt_bytes, load_tokenizer, tokenize_off_loop, too_long
 from kvconductor.v1 import common_pb2, conductor_pb2
 from services.common import metrics
 from services.common.config import Config
@@ -94,6 +94,8 @@ class Gateway:
         self._tokenizer: Tokenizer | None = None
         self.in_flight = 0  # requests being generated (the event loop is the only writer)
         self._max_model_len = 0
+        if (Path(config.model.path) / "tokenizer.json").is_file():
+            self.tokenizer()  # at start-up, not on the first request's loop turn (about 0.5 s)
 
     def tokenizer(self) -> tuple[Tokenizer, int]:
         """The served model's tokenizer and context length (loaded on first use)."""
@@ -102,6 +104,20 @@ class Gateway:
             self._tokenizer = load_tokenizer(self.config.model.path)
             self._max_model_len = ModelConfig.from_hf_config(raw, self.model).max_model_len
         return self._tokenizer, self._max_model_len
+
+    def refuse_long_prompt(self, prompt: str | list[int]) -> None:
+        """Refuse a text prompt whose bytes alone prove it longer than the model's context (``OpenAIError``).
+
+        A flood of 1 MiB prompts then costs the Conductor nothing, and this process no gRPC message: the
+        Conductor checks again (for gRPC clients) against its workers' context, which may be shorter.
+        """
+        if self._tokenizer is None or not isinstance(prompt, str):
+            return
+        try:
+            check_prompt_bytes(self._tokenizer, prompt, self._max_model_len - 1)
+        except TooManyTokens as e:
+            message = too_long(e.count, self._max_model_len, at_least=True)
+            raise OpenAIError(400, message, "invalid_request_error") from None
 
     def key_refusal(self, headers: dict[str, str]) -> OpenAIError | None:
         """The 401 for a request without one of the keys (constant time per key); None when it has one."""
@@ -357,6 +373,7 @@ async def _run(
     gateway: Gateway, body: SamplingFields, request: Request, prompt: str | list[int], chat: bool
 ) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    gateway.refuse_long_prompt(prompt)
     try:
         call = gateway.conductors.generate(gateway.grpc_request(body, request_id, prompt))
         first = await call.read()

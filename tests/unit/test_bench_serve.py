@@ -172,15 +172,16 @@ def test_the_recorded_command_hides_the_api_key():
 def test_neighbours_hostile_bodies_sit_at_and_just_over_the_limits():
     from bench.serve.neighbours import KINDS, Limits, hostile_bodies
 
-    limits = Limits(max_prompt_bytes=4096, max_request_bytes=8192, max_stop_strings=16)
+    limits = Limits(max_prompt_bytes=4096, max_request_bytes=8192, max_stop_strings=16, tokenized_bytes=1000)
     bodies = hostile_bodies(list(KINDS), "m", limits, stop_strings=1000)
     stops = json.loads(bodies["stops"][1])["stop"]
     assert len(set(stops)) == 1000
     assert len(json.loads(bodies["prompt-at-limit"][1])["prompt"].encode()) == 4096
     assert len(bodies["chat-at-limit"][1]) <= 8192 and bodies["chat-at-limit"][0] == "/chat/completions"
+    assert len(json.loads(bodies["prompt-tokenized"][1])["prompt"].encode()) == 1000
     assert len(json.loads(bodies["prompt-over-limit"][1])["prompt"].encode()) == 4097
     assert len(bodies["body-over-limit"][1]) == 8193
-    tight = hostile_bodies(["prompt-at-limit"], "m", Limits(1 << 20, 1 << 20, 16), 1)  # the body limit binds
+    tight = hostile_bodies(["prompt-at-limit"], "m", Limits(1 << 20, 1 << 20, 16, 1 << 20), 1)  # the body limit binds
     assert len(tight["prompt-at-limit"][1]) <= 1 << 20
 
 

@@ -5,6 +5,7 @@
 
 import asyncio
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -90,3 +91,21 @@ def test_the_gateway_refuses_more_stop_strings_or_ids_than_any_config_allows_its
         response = TestClient(app).post(path, json={"model": "m", "stop": ["s"] * 100_000, **body})
         assert response.status_code == 400, response.text
         assert "max_stop_strings" in response.json()["error"]["message"]
+
+
+def test_the_gateway_refuses_a_prompt_its_bytes_prove_too_long_without_calling_a_conductor(model_dir):
+    config = config_from_dict({"model": {"path": str(model_dir), "name": "m"}})
+    app = create_app(config, discover=False)
+    context = app.state.gateway.tokenizer()[1]
+    app.state.gateway.conductors.generate = lambda request: pytest.fail("a provably too long prompt was sent on")
+    client = TestClient(app)
+    for path, body in (
+        ("/v1/completions", {"prompt": "x" * (context * 19)}),  # 19: the byte-level tokenizer's longest token
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (context * 19)}]}),
+    ):
+        response = client.post(path, json={"model": "m", **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        expected = rf"the prompt has at least \d+ tokens; this model's context length is {context}"
+        assert re.fullmatch(expected, error["message"])

@@ -22,11 +22,14 @@ chunks (their counts are reported), and greedy decoding gives each phase exactly
 phases differ in timing only. In a hostile phase a separate
 process at nice 19 (so building and sending its bodies costs the measuring loop nothing, and the cores
 the servers share with it only what they leave idle: an attacker's CPU is its own) sends, one after another
-in a loop (``--hostile-concurrency`` loops), until the streams end:
+in a loop (``--hostile-concurrency`` loops), at ``--hostile-rate`` requests per second in all (open loop;
+with 0, each loop sends its next request as soon as the last is answered: a flood whose rate is how fast
+the servers refuse, which takes whatever CPU they leave idle), until the streams end:
 
 - ``stops``: a completion with ``--stop-strings`` distinct stop strings (refused: ``max_stop_strings``);
 - ``prompt-at-limit``: a text prompt of ``[scheduler] max_prompt_bytes`` bytes, or as many as fit the body
-  limit (refused after tokenizing, off the loop: more tokens than the model's context);
+  limit (refused: more tokens than the model's context, proven from its bytes where the tokenizer allows,
+  else after tokenizing on a nice-19 thread);
 - ``chat-at-limit``: the same text as one chat message (rendered by the chat template, then tokenized);
 - ``prompt-tokenized``: the longest text prompt whose bytes do not prove it longer than the context
   (context x the tokenizer's longest token in bytes, ``engine.tokenizer.max_token_bytes``, x 16 where
@@ -115,6 +118,9 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--stop-strings", type=int, default=100_000, help="stop strings of 'stops' (default 100000)")
     h.add_argument("--hostile-concurrency", type=int, default=1,
                    help="hostile loops at once, each one request at a time (default 1)")  # fmt: skip
+    h.add_argument("--hostile-rate", type=float, default=8.0,
+                   help="hostile requests per second, all loops together, open loop (default 8; 0: each loop "
+                   "sends its next as soon as its last is answered, a flood as fast as the refusals)")  # fmt: skip
     c = p.add_argument_group("cluster")
     c.add_argument("--base-url", help="a running server's OpenAI base URL ending in /v1 (default: start a cluster)")
     c.add_argument("--model", default="tiny-llama", help="the model field of every request (default tiny-llama)")
@@ -242,10 +248,11 @@ def send_hostile(client: httpx.Client, kind: str, path: str, body: bytes) -> dic
 
 
 def hostile_loop(
-    base_url: str, headers: dict[str, str], bodies: dict[str, tuple[str, bytes]], offset: int, stop: Event,
-    ready: Event, pipe: Connection,
+    base_url: str, headers: dict[str, str], bodies: dict[str, tuple[str, bytes]], offset: int, interval_s: float,
+    stop: Event, ready: Event, pipe: Connection,
 ) -> None:  # fmt: skip
-    """Send the kinds in turn (starting at ``offset``) until ``stop``; the answers go back through ``pipe``.
+    """Send the kinds in turn (starting at ``offset``), one each ``interval_s`` (0: back to back), until ``stop``;
+    the answers go back through ``pipe``.
 
     At nice 19: an attacker's own CPU is on its machine, not on the servers' cores (here they share two).
     """
@@ -254,18 +261,24 @@ def hostile_loop(
     answers = []
     with httpx.Client(base_url=base_url, headers=headers, timeout=HOSTILE_TIMEOUT_S) as client:
         ready.set()
-        i = offset
+        start = time.perf_counter()
+        sent = 0
         while not stop.is_set():
-            kind = kinds[i % len(kinds)]
+            kind = kinds[(offset + sent) % len(kinds)]
             answers.append(send_hostile(client, kind, *bodies[kind]))
-            i += 1
+            sent += 1
+            stop.wait(max(0.0, start + sent * interval_s - time.perf_counter()))  # late: at once, no catch-up burst
     pipe.send(answers)
     pipe.close()
 
 
 @contextmanager
-def hostile(target: Target, bodies: dict[str, tuple[str, bytes]], loops: int) -> Iterator[list[dict[str, Any]]]:
-    """``loops`` sender processes running for the body of the ``with``; the answers fill the yielded list."""
+def hostile(
+    target: Target, bodies: dict[str, tuple[str, bytes]], loops: int, rate: float
+) -> Iterator[list[dict[str, Any]]]:
+    """``loops`` sender processes, ``rate`` requests/s together (0: back to back), running for the body of the
+    ``with``; the answers fill the yielded list."""
+    interval_s = loops / rate if rate > 0 else 0.0
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
@@ -273,8 +286,8 @@ def hostile(target: Target, bodies: dict[str, tuple[str, bytes]], loops: int) ->
     for i in range(loops):
         ready = ctx.Event()
         receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=hostile_loop, args=(target.base_url, headers, bodies, i, stop, ready, sender),
-                           name=f"hostile-{i}", daemon=True)  # fmt: skip
+        args = (target.base_url, headers, bodies, i, interval_s, stop, ready, sender)
+        proc = ctx.Process(target=hostile_loop, args=args, name=f"hostile-{i}", daemon=True)
         proc.start()
         sender.close()
         procs.append(proc)
@@ -363,14 +376,14 @@ def hostile_stats(answers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def phase(target: Target, name: str, requests: list[BenchRequest], bodies: dict[str, tuple[str, bytes]] | None,
-          loops: int, log: Log) -> dict[str, Any]:  # fmt: skip
+          loops: int, rate: float, log: Log) -> dict[str, Any]:  # fmt: skip
     """One quiet (``bodies`` None) or hostile phase."""
     answers: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     if bodies is None:
         results = asyncio.run(streams(target, requests))
     else:
-        with hostile(target, bodies, loops) as answers:
+        with hostile(target, bodies, loops, rate) as answers:
             results = asyncio.run(streams(target, requests))
     wall = time.perf_counter() - t0
     record: dict[str, Any] = {"phase": name, "wall_s": wall, "stats": gap_stats(results)}
@@ -380,7 +393,7 @@ def phase(target: Target, name: str, requests: list[BenchRequest], bodies: dict[
     s = record["stats"]
     line = f"{name}: {s['gaps']} gaps, p50 {s['p50']:.1f} p90 {s['p90']:.1f} p99 {s['p99']:.1f} max {s['max']:.1f} ms"
     if bodies is not None:
-        line += f"; {len(answers)} hostile: " + ", ".join(
+        line += f"; {len(answers)} hostile ({len(answers) / wall:.1f}/s): " + ", ".join(
             f"{k} {'/'.join(f'{n}x{st}' for st, n in v['statuses'].items())}" for k, v in record["hostile"].items()
         )
     log(line + (f"; stream errors {s['errors']}" if s["errors"] else ""))
@@ -420,6 +433,10 @@ def verdict(phases: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _rate(rate: float) -> str:
+    return f"{rate:g} requests/s offered, open loop" if rate > 0 else "back to back (a flood)"
+
+
 def markdown(record: dict[str, Any]) -> str:
     """The human-readable report."""
     lines = [
@@ -430,7 +447,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"- finished: {record['finished_at']}, {record['wall_s']:.0f} s; cluster: {record['cluster']}",
         f"- limits: {record['limits']}",
         f"- {record['config']['streams']} streams x {record['config']['output_len']} tokens per phase; hostile "
-        f"loops: {record['config']['hostile_concurrency']}; chunks per candidate stream in the warm-up (the most "
+        f"loops: {record['config']['hostile_concurrency']}, {_rate(record['config'].get('hostile_rate', 0))}; "
+        f"chunks per candidate stream in the warm-up (the most "
         f"chunked {record['config']['streams']} run in every phase): {record['warmup_chunks']}",
         "",
         "Token gaps of the neighbour streams, pooled per phase (ms):",
@@ -441,6 +459,8 @@ def markdown(record: dict[str, Any]) -> str:
     for p in record["phases"]:
         s = p["stats"]
         hostile_ = ", ".join(f"{k} {v['sent']}" for k, v in p.get("hostile", {}).items()) or "-"
+        if "hostile" in p:
+            hostile_ = f"{len(p['answers']) / p['wall_s']:.1f}/s: {hostile_}"
         lines.append(f"| {p['phase']} | {s['gaps']} | {s['p50']:.1f} | {s['p90']:.1f} | {s['p99']:.1f} | "
                      f"{s['max']:.1f} | {hostile_} |")  # fmt: skip
     lines += ["", "Hostile requests, all measured phases:", "",
@@ -517,7 +537,7 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         candidates = random_lengths(2 * n, (args.prompt_len, args.prompt_len), (m, m), args.seed)
         log(f"warm-up: {2 * n} candidate streams (the {n} with the most chunks run in every phase), then each "
             "hostile kind once")  # fmt: skip
-        warm = phase(target, "warm-up", candidates, None, 1, log)
+        warm = phase(target, "warm-up", candidates, None, 1, 0.0, log)
         chunks = [len(itl) + 1 for itl in warm["itl_ms"]]
         best = sorted(range(len(candidates)), key=lambda i: -chunks[i])[:n]
         requests = [candidates[i] for i in sorted(best)]
@@ -529,9 +549,10 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 log(f"  {kind}: {a['status']} in {a['latency_s'] * 1e3:.0f} ms: {a['reason'][:150]}")
         phases = []
         for i in range(args.rounds + 1):
-            phases.append(phase(target, f"quiet {i + 1}", requests, None, 1, log))
+            phases.append(phase(target, f"quiet {i + 1}", requests, None, 1, 0.0, log))
             if i < args.rounds:
-                phases.append(phase(target, f"hostile {i + 1}", requests, bodies, args.hostile_concurrency, log))
+                loops, rate = args.hostile_concurrency, args.hostile_rate
+                phases.append(phase(target, f"hostile {i + 1}", requests, bodies, loops, rate, log))
         description = running.description
     answers = [a for p in phases for a in p.get("answers", [])]
     return {
@@ -562,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.streams, args.output_len, args.prompt_len, args.rounds, args.hostile_concurrency) < 1:
         print("error: --streams, --output-len, --prompt-len, --rounds, --hostile-concurrency must be >= 1",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if args.hostile_rate < 0:
+        print("error: --hostile-rate must be >= 0 (0: back to back)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _sigterm)  # so the own cluster is stopped on SIGTERM too
     try:

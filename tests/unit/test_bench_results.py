@@ -405,3 +405,16 @@ def test_the_store_benchmark_readme_says_what_its_json_says():
     assert store["hit_rate"] >= 0.9 * infinite  # the target, met
     overloaded = json.loads((folder / "overloaded-2p.json").read_text())["runs"]["engine pools only"]
     assert overloaded["errors"] == {"transport: ReadError": 1} and "`transport: ReadError`" in flat
+
+
+def test_the_pd_overload_run_lost_no_request_and_the_readme_says_so():
+    folder = SIM.parent / "scale"
+    flat = " ".join((folder / "README.md").read_text().split())
+    record = json.loads((folder / "pd-overload" / "routers.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"]
+    assert f"(`pd-overload/`, code {record['code']})" in flat
+    levels = [v["summary"] for c in record["contenders"].values() for v in c.get("levels", {}).values()]
+    assert levels and all(s["failed"] == 0 and not s["errors"] for s in levels)
+    worst = min(s["slo_attainment"] for s in levels)
+    assert f"all {sum(s['completed'] for s in levels):,} requests completed, none failed" in flat
+    assert f"({worst:.0%} within SLO at 24 req/s)" in flat

@@ -25,7 +25,7 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from scheduler.policy import Resident
+from scheduler.candidates import Resident
 
 OVERDUE_S = 1e-3  # a request decoding past its expected end is expected to leave right after now
 

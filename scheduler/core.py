@@ -17,10 +17,11 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.booking import Booking
+from scheduler.candidates import RequestShape, Slo
 from scheduler.cost_model import LinkModels
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
-from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, RequestShape, Slo
+from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection
 
 
 @dataclass

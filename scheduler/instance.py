@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.booking import Bookings
+from scheduler.candidates import DecodeCandidate, PrefillCandidate, Resident
 from scheduler.cost_model import DecodeModel, PrefillModel
-from scheduler.policy import DecodeCandidate, PrefillCandidate, Resident
 
 
 @dataclass

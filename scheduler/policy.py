@@ -30,116 +30,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel
+from scheduler.candidates import (
+    DecodeCandidate,
+    PrefillCandidate,
+    PrefillEstimate,
+    RequestShape,
+    Slo,
+)
+from scheduler.cost_model import LinkModels
 from scheduler.rules import RULES, PrefillRule
 
 POLICIES = tuple(RULES)
 EARLY_REJECTION = ("prediction", "plain")
-
-
-def exposed_tokens(num_prompt_tokens: int, reused: int, chunk_tokens: int) -> int:
-    """Prompt tokens whose KV is still to send to decode after token 0.
-
-    A prefill in one chunk sends the whole prompt's KV after it; in several chunks the KV of the reused
-    prefix and of every chunk but the last streams out while later chunks compute, so only the last
-    chunk's is exposed. ``chunk_tokens`` 0: no streaming.
-    """
-    new = num_prompt_tokens - reused
-    if chunk_tokens <= 0 or new <= chunk_tokens:
-        return num_prompt_tokens
-    return new - (new - 1) // chunk_tokens * chunk_tokens
-
-
-@dataclass(frozen=True)
-class PrefillCandidate:
-    """A prefill (or colocated) instance as the Conductor sees it for one request."""
-
-    instance_id: str
-    prefix_len: int  # prompt tokens whose KV this instance holds (whole blocks)
-    t_queue: float  # seconds of prefill work queued ahead of the request
-    model: PrefillModel
-    chunk_tokens: int = 0  # prefill chunk; KV of earlier chunks streams out during later ones (0 = no streaming)
-    # On a colocated instance every engine step carries the running batch's decode tokens too, so a prompt's
-    # prefill takes ceil(new / step_tokens) steps each longer by decode_step_s (0 on a prefill instance).
-    decode_step_s: float = 0.0
-    step_tokens: int = 0
-    idle: bool = False  # nothing queued or running here (the admission probe's condition)
-    profile: PrefillModel | None = None  # the instance's start-up profile (admission's reference when idle)
-    in_flight: int = 0  # requests whose prefill is queued or running here (the peers' rules count them)
-    queued_new_tokens: int = 0  # tokens still to compute for them
-    exports_kv: bool = True  # peers can copy its cached blocks (False for vLLM, whose pool is inside EngineCore)
-
-    def t_prefill(self, new_tokens: int, cached_tokens: int) -> float:
-        """Predicted prefill time here, including the decode steps it shares on a colocated instance."""
-        t = self.model.predict(new_tokens, cached_tokens)
-        if self.decode_step_s > 0 and self.step_tokens > 0 and new_tokens > 0:
-            t += math.ceil(new_tokens / self.step_tokens) * self.decode_step_s
-        return t
-
-    def exposed_tokens(self, num_prompt_tokens: int, reused: int) -> int:
-        """Prompt tokens whose KV is still to send after token 0 here (see ``exposed_tokens``)."""
-        return exposed_tokens(num_prompt_tokens, reused, self.chunk_tokens)
-
-
-@dataclass(frozen=True)
-class Resident:
-    """A request on a decode instance; times in seconds relative to now."""
-
-    t_join: float  # when it starts decoding (<= 0: decoding already)
-    t_leave: float  # when it is expected to finish
-    context: int  # tokens it attends to
-
-
-@dataclass(frozen=True)
-class DecodeCandidate:
-    """A decode (or colocated) instance's load."""
-
-    instance_id: str
-    residents: tuple[Resident, ...]
-    num_free_blocks: int
-    max_running: int  # max_concurrent_requests
-    model: DecodeModel
-    profile: DecodeModel | None = None  # the instance's start-up profile (admission's reference when idle)
-
-    def has_room(self, request: RequestShape) -> bool:
-        """Free KV blocks for the whole request and a free slot."""
-        return self.num_free_blocks >= request.num_blocks and len(self.residents) < self.max_running
-
-    def predicted_tbt(self, at: float, context: int) -> float:
-        """Step time at time ``at`` with one more request of ``context`` tokens in the batch."""
-        batch = [r for r in self.residents if r.t_join <= at < r.t_leave]
-        return self.model.predict(len(batch) + 1, sum(r.context for r in batch) + context)
-
-
-@dataclass(frozen=True)
-class RequestShape:
-    """What the policy needs to know about a request."""
-
-    num_prompt_tokens: int
-    num_blocks: int  # KV blocks the decode instance must reserve (prompt + max_tokens)
-    block_size: int
-    bytes_per_block: int
-    output_tokens: int = 0  # completion tokens expected (0: unknown; the colocated cost then counts prefill only)
-
-    def usable_prefix(self, prefix_len: int) -> int:
-        """Reusable cached tokens: whole blocks, leaving the last prompt token to compute."""
-        return min(prefix_len, (self.num_prompt_tokens - 1) // self.block_size * self.block_size)
-
-    def kv_bytes(self, num_tokens: int) -> int:
-        """Bytes of the KV blocks holding ``num_tokens`` tokens."""
-        return math.ceil(num_tokens / self.block_size) * self.bytes_per_block
-
-
-@dataclass(frozen=True)
-class Slo:
-    """Service-level objectives, seconds."""
-
-    max_ttft: float
-    max_tbt: float
-    reject: bool = True
-    # Time every request spends outside the instances (client hops, scheduling, relaying), learned by the
-    # Conductor from measured TTFTs; the same for every candidate, so it counts for admission only.
-    ttft_overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -150,33 +52,6 @@ class PolicyConfig:
     kv_cache_balancing_threshold: float = 1.2
     compare_copy_with_recompute: bool = True
     early_rejection: str = "prediction"
-
-
-@dataclass(frozen=True)
-class PrefillEstimate:
-    """Algorithm 1's estimates for one prefill candidate."""
-
-    instance_id: str
-    prefix_len: int  # reused tokens: its own, or best_len when the plan copies
-    t_queue: float
-    t_transfer: float  # KV copy from the best holder (0 without a copy)
-    t_prefill: float
-    t_send: float  # prompt KV to the decode instance
-    copy_from: str = ""  # best holder to copy from; empty = no copy
-    copy_tokens: int = 0  # tokens of KV copied (best_len - own prefix)
-    # Colocated only: the request's decode time there plus the delay it imposes on the requests decoding
-    # there (its prompt's chunks stall their steps; its place in the batch lengthens every later step).
-    t_shared: float = 0.0
-
-    @property
-    def ttft(self) -> float:
-        """Predicted time to first token."""
-        return self.t_queue + self.t_transfer + self.t_prefill + self.t_send
-
-    @property
-    def cost(self) -> float:
-        """What Algorithm 1 minimises: the TTFT, plus on a colocated instance ``t_shared``."""
-        return self.ttft + self.t_shared
 
 
 @dataclass(frozen=True)

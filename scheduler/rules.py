@@ -25,10 +25,9 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from scheduler.policy import PrefillCandidate, PrefillEstimate, RequestShape
+from scheduler.candidates import PrefillCandidate, PrefillEstimate, RequestShape
 
 
 class PrefillRule(Protocol):

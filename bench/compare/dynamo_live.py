@@ -24,19 +24,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare.peers import HOST, ROUTER_STOP_TIMEOUT_S
+from bench.compare.peers import DYNAMO_PYTHON, HOST, ROUTER_STOP_TIMEOUT_S
 from cli.local_cluster import REPO, stop
 from services.common.config import Config, load_config
 from services.common.net import free_port
 
-DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
 ROUTER_MODES = {"kv": "kv", "round_robin": "round-robin"}
 READY_TIMEOUT_S = 120.0
-
-
-def missing() -> str | None:
-    """None when Dynamo's environment is there, else why not."""
-    return None if DYNAMO_PYTHON.exists() else f"Dynamo is not installed ({DYNAMO_PYTHON} missing: run make dynamo)"
 
 
 def _env(store: Path) -> dict[str, str]:

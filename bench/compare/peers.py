@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from cli.local_cluster import stop
+from cli.local_cluster import REPO, stop
 from services.common.net import free_port
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router",
@@ -34,6 +34,7 @@ SERVER_READY_TIMEOUT_S = 300.0
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 15.0
 HOST = "127.0.0.1"
+DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"  # Dynamo runs in its own environment (make dynamo)
 # Why kv_aware is degraded on a cluster whose workers publish no ZMQ KV events (--cluster-json of one started
 # without [engine] zmq_kv_events): vllm-router's kv index stays empty.
 KV_AWARE_NOTE = ("no KV events: the workers publish none in vLLM's ZMQ format ([engine] zmq_kv_events is off), "
@@ -73,9 +74,7 @@ def parse_contender(spec: str, conductor_policy: str = "kvcache_centric") -> Con
 def router_available(router: str) -> str | None:
     """None when the router's launcher imports here (Dynamo: in its own environment), else why not."""
     if router == "dynamo":
-        from bench.compare.dynamo_live import missing
-
-        return missing()
+        return None if DYNAMO_PYTHON.exists() else f"Dynamo is not installed ({DYNAMO_PYTHON} missing: run make dynamo)"
     module = ROUTER_MODULES[router]
     try:
         found = importlib.util.find_spec(module) is not None

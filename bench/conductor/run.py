@@ -24,9 +24,10 @@ from pathlib import Path
 
 from bench.provenance import git_state
 from engine.block_hash import prefix_block_hashes
+from scheduler.candidates import DecodeCandidate, PrefillCandidate, RequestShape, Resident, Slo
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.kv_index import KVIndex
-from scheduler.policy import ConductorPolicy, DecodeCandidate, PrefillCandidate, RequestShape, Resident, Slo
+from scheduler.policy import ConductorPolicy
 
 BLOCK_SIZE = 16
 BYTES_PER_BLOCK = 64 * 1024

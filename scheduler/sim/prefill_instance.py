@@ -9,7 +9,7 @@ attends to everything before it). At the end it stores the prompt's full blocks 
 is the hot-spot replication of Algorithm 1), and writes them through to the Mooncake Store when there is
 one (a copy source like any holder, ``SimConfig.store_tokens``). Its KV has streamed to the decode
 instance chunk by chunk, all but the last chunk's while later chunks computed
-(``scheduler.policy.exposed_tokens``).
+(``scheduler.candidates.exposed_tokens``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from scheduler.candidates import RequestShape
 from scheduler.core import ConductorCore
 from scheduler.cost_model import PrefillModel
 from scheduler.instance import InstanceState
-from scheduler.policy import RequestShape
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.profiles import Profile

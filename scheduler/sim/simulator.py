@@ -22,20 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.booking import request_blocks
+from scheduler.candidates import RequestShape, Slo, exposed_tokens
 from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels
 from scheduler.kv_index import KVIndex
-from scheduler.policy import (
-    POLICIES,
-    ConductorPolicy,
-    CopySource,
-    Plan,
-    PolicyConfig,
-    Rejection,
-    RequestShape,
-    Slo,
-    exposed_tokens,
-)
+from scheduler.policy import POLICIES, ConductorPolicy, CopySource, Plan, PolicyConfig, Rejection
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import STORE, Noise, PrefillInstance, PrefillJob

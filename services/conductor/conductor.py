@@ -39,9 +39,10 @@ from kvconductor.v1 import (
     worker_pb2,
 )
 from scheduler.booking import request_blocks
+from scheduler.candidates import RequestShape, Slo
 from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels, TransferModel
-from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, RequestShape, Slo
+from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection
 from scheduler.ttft_overhead import TtftOverhead
 from services.common import metrics
 from services.common.config import Config, WorkerConfig

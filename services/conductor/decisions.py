@@ -13,7 +13,8 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from kvconductor.v1 import conductor_pb2
-from scheduler.policy import Plan, PrefillEstimate, Rejection
+from scheduler.candidates import PrefillEstimate
+from scheduler.policy import Plan, Rejection
 
 
 def _estimate(e: PrefillEstimate) -> dict[str, Any]:

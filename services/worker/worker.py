@@ -124,9 +124,9 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
         link_floor=None if emulation is None else emulation.transfer_seconds,
     )  # fmt: skip
     if config.engine.backend == "vllm":
-        from services.worker import vllm_engine  # imports vLLM: only on workers that run it
+        from services.worker import vllm_start  # imports vLLM: only on workers that run it
 
-        engine, refiner, kv_bootstrap = await vllm_engine.build(
+        engine, refiner, kv_bootstrap = await vllm_start.build(
             config, role, instance_id, pool_config, transfer.count_written
         )
     else:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 
 from scheduler.booking import Booking
+from scheduler.candidates import RequestShape, Slo
 from scheduler.core import ConductorCore
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
-from scheduler.policy import ConductorPolicy, Plan, RequestShape, Slo
+from scheduler.policy import ConductorPolicy, Plan
 
 
 def test_with_nothing_seen_a_request_is_expected_to_use_its_max_tokens():

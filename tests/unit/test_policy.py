@@ -6,20 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from scheduler.candidates import DecodeCandidate, PrefillCandidate, RequestShape, Resident, Slo
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.kv_index import KVIndex
-from scheduler.policy import (
-    ConductorPolicy,
-    CopySource,
-    DecodeCandidate,
-    Plan,
-    PolicyConfig,
-    PrefillCandidate,
-    Rejection,
-    RequestShape,
-    Resident,
-    Slo,
-)
+from scheduler.policy import ConductorPolicy, CopySource, Plan, PolicyConfig, Rejection
 
 PREFILL = PrefillModel(c0=0.002, c1=0.0002, c2=1e-8)  # ~5,000 tokens/s
 DECODE = DecodeModel(d0=0.005, d1=0.0005, d2=1e-6)

@@ -31,7 +31,7 @@ from services.common.cluster_registry import etcd_auth
 from services.common.config import Config, load_config
 from services.common.net import free_port
 from services.common.registry import Registry
-from services.worker.bind_guard import listeners
+from services.worker.kv.bind_guard import listeners
 
 READY_TIMEOUT_S = 900.0  # loading and profiling a real model on a busy machine takes minutes
 PROGRESS_EVERY_S = 30.0

@@ -1,9 +1,10 @@
 """``kvconductor serve ROLE``: one process of the cluster (kvmeta, store, conductor, a worker, gateway).
 
 Each role's process lives in its folder (``services/<role>/main.py``; prefill, decode and colocated are
-``services/worker``). Every gRPC role registers in etcd once it serves; the gateway finds the Conductor
-at ``[cluster] scheduler_endpoint``. Roles are imported lazily: kvmeta, the Conductor and the gateway
-never import torch; the store service runs the Mooncake Store's master (``[store]``).
+``services/worker``; a colocated worker's OpenAI endpoint is composed here, ``cli/worker_endpoint.py``). Every
+gRPC role registers in etcd once it serves; the gateway finds the Conductor at ``[cluster]
+scheduler_endpoint``. Roles are imported lazily: kvmeta, the Conductor and the gateway never import torch; the
+store service runs the Mooncake Store's master (``[store]``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def run(config: Config, role: str, instance_id: str) -> int:
         else:
             from services.worker.main import run as run_worker
 
-            return asyncio.run(run_worker(config, role, instance_id))
+            if role != "colocated":
+                return asyncio.run(run_worker(config, role, instance_id))
+            from cli.worker_endpoint import WorkerEndpoint  # it also serves the OpenAI API, over a Conductor
+
+            return asyncio.run(run_worker(config, role, instance_id, WorkerEndpoint))
     finally:
         provider.shutdown()  # flushes the spans still buffered
     return 0

@@ -19,7 +19,7 @@ and the decode rows together ``DecodeModel.predict(batch, context)``.
 
 KV transfers. ``link`` is the emulated hardware's link and ``model_bytes_per_token`` the emulated model's
 KV per token; ``transfer_seconds`` is the time the emulated model's KV for the transferred tokens takes
-on that link (scaled), which the worker's transfer engine waits out (``services.worker.transfer``).
+on that link (scaled), which the worker's transfer engine waits out (``services.worker.kv.transfer``).
 
 Sampled tokens come from the first ``OUTPUT_VOCAB`` ids that are not special (EOS/BOS), so they
 detokenize to ordinary text and never end a request early: emulated requests run to ``max_tokens``.

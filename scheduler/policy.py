@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from scheduler.candidates import (
     DecodeCandidate,
@@ -44,14 +45,28 @@ POLICIES = tuple(RULES)
 EARLY_REJECTION = ("prediction", "plain")
 
 
-@dataclass(frozen=True)
+@dataclass
 class PolicyConfig:
-    """The knobs of ``[scheduler]``."""
+    """The policy's knobs, declared once: ``[scheduler]`` (``SchedulerConfig``) and ``SimConfig`` extend this."""
 
+    # "kvcache_centric" (Algorithm 1) or another prefill rule (scheduler/rules.py): "round_robin", "random",
+    # "least_loaded", "cache_aware", "dynamo", "sglang".
     policy: str = "kvcache_centric"
+    # Plan a KV copy from the best holder to a prefill instance when
+    #   best_len / instance.prefix_len > kv_cache_balancing_threshold
+    # (an instance with no cached prefix has an infinite ratio). Values <= 1 copy whenever any other
+    # instance holds more; 1.2 copies only when the best holder has at least 20% more prefix; inf never
+    # copies. The seed's example 0.8 therefore means "copy whenever the best match is longer".
     kv_cache_balancing_threshold: float = 1.2
+    # Beyond the paper: keep a copy plan only if it is predicted faster than recomputing those blocks.
     compare_copy_with_recompute: bool = True
+    # "prediction": judge TBT on the decode load predicted for when the request's prefill ends;
+    # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
     early_rejection: str = "prediction"
+
+    def policy_config(self, **changes: Any) -> PolicyConfig:
+        """These knobs alone (a plain ``PolicyConfig``), with ``changes``."""
+        return replace(PolicyConfig(**{f.name: getattr(self, f.name) for f in fields(PolicyConfig)}), **changes)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from collections.abc import AsyncGenerator, Sequence
 from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
-from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
+from services.worker.engines.port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
 
 
 class FakeEngine:
-    """Implements services.worker.engine_port.EnginePort."""
+    """Implements services.worker.engines.port.EnginePort."""
 
     moves_kv_itself = False
 

@@ -172,7 +172,7 @@ def _descendants(roots: dict[int, str]) -> dict[int, str]:
 def listeners_off(cluster, host: str = "127.0.0.1") -> list[str]:
     """Every TCP port that a process of the cluster (or a child of one: vLLM's, mooncake_master) listens on
     elsewhere than ``host``, as "instance (pid): address:port"; [] when the whole cluster stays on it."""
-    from services.worker.bind_guard import listeners, resolve
+    from services.worker.kv.bind_guard import listeners, resolve
 
     roots = {info["pid"]: instance_id for instance_id, info in cluster.manifest["processes"].items()}
     exposed = []

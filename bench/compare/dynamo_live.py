@@ -66,7 +66,7 @@ def _start(command: list[str], store: Path, log_path: Path) -> subprocess.Popen[
 def dynamo_workers(args: argparse.Namespace, root: Path) -> Iterator[Path]:
     """The mocker engines, up until the block ends; yields the discovery store the frontends use."""
     from bench.scale.dynamo_replay import profile_table
-    from scheduler.sim.profiles import named_profile
+    from scheduler.profiles import named_profile
 
     root.mkdir(parents=True, exist_ok=True)
     config = cluster_config(args)

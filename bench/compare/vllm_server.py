@@ -5,7 +5,7 @@
 ``vllm-router``'s prefill/decode mode drives vLLM servers over HTTP, passing ``kv_transfer_params`` in
 the request body; our workers speak gRPC to the Conductor, so that router cannot drive them. This process
 is vLLM's own OpenAI server (``vllm.entrypoints.launchers``) with the engine arguments our worker builds
-for the same config and role (``services.worker.vllm_engine.engine_arguments``: model, dtype, block size,
+for the same config and role (``services.worker.engines.vllm_engine.engine_arguments``: model, dtype, block size,
 KV cache bytes, batch limits, the MooncakeConnector with its CPU shim), so the comparison changes the front
 end and nothing else. A prefill server prints its Mooncake bootstrap port on stdout (``bootstrap_port=N``).
 """
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from services.worker.vllm_engine import engine_arguments
+    from services.worker.engines.vllm_engine import engine_arguments
 
     instance_id = args.instance_id or f"vllm-{args.role}-{args.port}"
     arguments, bootstrap = engine_arguments(config, args.role, instance_id, pool, None)

@@ -41,7 +41,7 @@ import numpy as np
 
 from bench.provenance import git_state
 from bench.scale.trace_slice import add_slice_arguments, prepare
-from scheduler.sim.profiles import Profile, named_profile
+from scheduler.profiles import Profile, named_profile
 
 MODES = ("kv_router", "round_robin", "kv_router_disagg")  # the last: --prefill-workers prefill + the rest decode
 BLOCK_SIZE = 16  # the cluster's [prefill] prefix_cache_block_size

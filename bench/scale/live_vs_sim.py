@@ -32,7 +32,7 @@ from bench.serve.runner import Target
 from bench.sim.common import run_one
 from bench.soak.probe import cluster_processes, cpu_seconds, rss_kib
 from cli.local_cluster import TINY_MODEL, local_cluster
-from scheduler.sim.profiles import analytic_gpu
+from scheduler.profiles import analytic_gpu
 from scheduler.sim.simulator import SimConfig
 from services.common.config import load_config
 

@@ -12,8 +12,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from scheduler.profiles import GpuSpec, Profile, analytic_gpu, load_profile, measured_cpu
 from scheduler.sim.metrics import summarize
-from scheduler.sim.profiles import GpuSpec, Profile, analytic_gpu, load_profile, measured_cpu
 from scheduler.sim.simulator import SimConfig, Simulator
 from scheduler.sim.trace import DEFAULT_TRACE, load_trace
 
@@ -31,12 +31,14 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float, default=GpuSpec.mfu, help="analytic-gpu: prefill model FLOPs utilisation")
     parser.add_argument("--hbm-efficiency", type=float, default=GpuSpec.bandwidth_efficiency, help="analytic-gpu")
     parser.add_argument("--link-gbps", type=float, default=GpuSpec.link_gbps, help="analytic-gpu: KV transfer link")
-    parser.add_argument("--prefill", type=int, default=10, help="prefill instances")
-    parser.add_argument("--decode", type=int, default=6, help="decode instances (colocated: prefill+decode instances)")
-    parser.add_argument("--max-ttft", type=float, default=30.0, help="TTFT SLO, s")
-    parser.add_argument("--max-tbt", type=float, default=0.3, help="TBT SLO used for admission, s")
-    parser.add_argument("--threshold", type=float, default=1.2, help="kv_cache_balancing_threshold")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill", type=int, default=SimConfig.num_prefill, help="prefill instances")
+    parser.add_argument("--decode", type=int, default=SimConfig.num_decode,
+                        help="decode instances (colocated: prefill+decode instances)")  # fmt: skip
+    parser.add_argument("--max-ttft", type=float, default=SimConfig.max_ttft, help="TTFT SLO, s")
+    parser.add_argument("--max-tbt", type=float, default=SimConfig.max_tbt, help="TBT SLO used for admission, s")
+    parser.add_argument("--threshold", type=float, default=SimConfig.kv_cache_balancing_threshold,
+                        help="kv_cache_balancing_threshold")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=SimConfig.seed)
     parser.add_argument(
         "--prediction-error",
         type=float,

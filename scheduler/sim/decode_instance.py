@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from scheduler.core import ConductorCore
 from scheduler.instance import InstanceState
+from scheduler.profiles import Profile
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import Noise, PrefillJob, chunked_prefill_s
 from scheduler.sim.prefix_cache import PrefixCache
-from scheduler.sim.profiles import Profile
 
 Finished = Callable[[RequestRecord, float], None]
 

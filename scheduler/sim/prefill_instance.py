@@ -22,9 +22,9 @@ from scheduler.candidates import RequestShape
 from scheduler.core import ConductorCore
 from scheduler.cost_model import PrefillModel
 from scheduler.instance import InstanceState
+from scheduler.profiles import Profile
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefix_cache import PrefixCache
-from scheduler.sim.profiles import Profile
 from scheduler.sim.trace import TraceRequest
 
 Noise = Callable[[], float]  # actual / predicted duration of the next job or iteration

@@ -27,31 +27,27 @@ from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels
 from scheduler.kv_index import KVIndex
 from scheduler.policy import POLICIES, ConductorPolicy, CopySource, Plan, PolicyConfig, Rejection
+from scheduler.profiles import Profile
 from scheduler.sim.decode_instance import DecodeInstance
 from scheduler.sim.metrics import RequestRecord
 from scheduler.sim.prefill_instance import STORE, Noise, PrefillInstance, PrefillJob
 from scheduler.sim.prefix_cache import PrefixCache
-from scheduler.sim.profiles import Profile
 from scheduler.sim.trace import TraceRequest
 
 SIM_POLICIES = (*POLICIES, "colocated")
 _PREFILL_DONE, _ARRIVAL, _SAMPLE = 0, 1, 2
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulated run."""
+@dataclass
+class SimConfig(PolicyConfig):
+    """One simulated run: the policy's knobs (``PolicyConfig``; ``policy`` may also be "colocated") and the bed's."""
 
-    policy: str = "kvcache_centric"
     num_prefill: int = 10
     num_decode: int = 6  # colocated runs num_prefill + num_decode colocated instances
     block_size: int = 512
     max_ttft: float = 30.0
     max_tbt: float = 0.3
     reject: bool = False  # SLO admission (rejections for lack of decode memory happen regardless)
-    early_rejection: str = "prediction"
-    kv_cache_balancing_threshold: float = 1.2
-    compare_copy_with_recompute: bool = True
     seed: int = 0
     sample_interval: float = 10.0
     # Cost-model error: every prefill job and decode iteration runs exp(N(0, sigma)) times as long as the
@@ -119,10 +115,7 @@ class Simulator:
             RequestRecord(r.request_id, r.arrival, r.num_prompt_tokens, r.num_output_tokens) for r in requests
         ]
         self.index = KVIndex()
-        policy_config = PolicyConfig(
-            config.live_policy, config.kv_cache_balancing_threshold, config.compare_copy_with_recompute,
-            config.early_rejection,
-        )  # fmt: skip
+        policy_config = config.policy_config(policy=config.live_policy)
         self.core = ConductorCore(ConductorPolicy(policy_config, seed=config.seed), LinkModels(profile.link))
         self.slo = Slo(config.max_ttft, config.max_tbt, config.reject)
         self._build_instances()

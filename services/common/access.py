@@ -21,13 +21,14 @@ import grpc
 SPIFFE_PREFIX = "spiffe://kvconductor/"
 ROLES = ("gateway", "conductor", "kvmeta", "store", "prefill", "decode", "colocated", "admin")
 ANY_CERTIFICATE = frozenset({"*"})  # any certificate the cluster's CA signed, with a role or without
-# A colocated worker runs a Conductor of its own for its OpenAI endpoint (services/worker/worker_http.py).
+# A colocated worker runs a Conductor of its own for its OpenAI endpoint (cli/worker_endpoint.py).
 CONDUCTORS = frozenset({"conductor", "colocated"})
 # Method (or service prefix) -> the roles that may call it. "admin" is the command line (status, explain).
 CALLERS: dict[str, frozenset[str]] = {
     "/kvconductor.v1.Conductor/": frozenset({"gateway", "admin"}) | CONDUCTORS,
     "/kvconductor.v1.Prefill/Prefill": CONDUCTORS,
-    # A prefill worker copying a prefix pins, reads and unpins another prefill worker's blocks (kv_copy.py).
+    # A prefill worker copying a prefix pins, reads and unpins another prefill worker's blocks
+    # (services/worker/kv/copy.py).
     "/kvconductor.v1.Prefill/ExportBlocks": frozenset({"prefill"}),
     "/kvconductor.v1.Prefill/ReleaseBlocks": frozenset({"prefill"}),
     "/kvconductor.v1.Decode/": CONDUCTORS,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.policy import EARLY_REJECTION, POLICIES, PolicyConfig
-from scheduler.sim.profiles import named_profile
+from scheduler.profiles import named_profile
 
 
 class ConfigError(ValueError):
@@ -155,7 +155,7 @@ class EngineConfig:
     # kv_events_endpoint), for routers that consume vLLM's events: vllm-router's kv_aware policy
     zmq_kv_events: bool = False
     # Where a worker keeps its start-up profile, reused by the next start on the same model, engine, settings
-    # and host (services/worker/profile_cache.py); "" = profile at every start
+    # and host (services/worker/profiling/cache.py); "" = profile at every start
     profile_cache_dir: str = "~/.cache/kvconductor/profiles"
 
     def validate(self) -> None:
@@ -169,7 +169,7 @@ class EmulationConfig:
 
     # step times: a built-in profile ("analytic-gpu": LLaMA3-70B-like on 8 x A800; "analytic-gpu-linear": the
     # same without the attention term, what Dynamo's mocker charges; "measured-cpu") or the
-    # path of a JSON profile (scheduler/sim/profiles.py: "prefill" and "decode" coefficients, e.g. measured on a GPU)
+    # path of a JSON profile (scheduler/profiles.py: "prefill" and "decode" coefficients, e.g. measured on a GPU)
     profile: str = "analytic-gpu"
     time_scale: float = 1.0  # wall seconds per emulated second (2 = everything twice as slow as the profile)
     kv_bytes_per_token: int = 64  # KV bytes each token really occupies and moves (a multiple of 16)
@@ -199,8 +199,10 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048  # prefill chunk: tokens computed per engine step
     enable_prefix_caching: bool = True  # reuse KV of equal prompt prefixes
     prefix_cache_block_size: int = 16  # tokens per KV block (equal in every pool)
-    max_ttft_ms: float = 2000.0  # TTFT SLO (prefill pool; colocated uses its own)
-    max_tbt_ms: float = 200.0  # TBT SLO (decode pool; colocated uses its own)
+    # The SLOs (the seed's GPU numbers; deploy/config.toml sets what fits its CPU model). TTFT is read from
+    # [prefill] (and [colocated]) only, TBT from [decode] (and [colocated]) only: UNREAD_KEYS refuses the others.
+    max_ttft_ms: float = 2000.0
+    max_tbt_ms: float = 200.0
     max_concurrent_requests: int = 64  # requests decoding at once per worker
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8 e4m3 (a quarter of fp32's bytes)
     torch_threads: int = 1  # torch intra-op threads per worker process
@@ -242,29 +244,20 @@ LIMIT_RANGES = (
 
 
 @dataclass
-class SchedulerConfig:
-    """``[scheduler]``: the Conductor's policy (Mooncake Algorithm 1)."""
+class SchedulerConfig(PolicyConfig):
+    """``[scheduler]``: the Conductor's policy (Mooncake Algorithm 1; its knobs in ``scheduler.policy.PolicyConfig``).
 
-    # Plan a KV copy from the best holder to a prefill instance when
-    #   best_len / instance.prefix_len > kv_cache_balancing_threshold
-    # (an instance with no cached prefix has an infinite ratio). Values <= 1 copy whenever any other
-    # instance holds more; 1.2 copies only when the best holder has at least 20% more prefix; inf never
-    # copies. The seed's example 0.8 therefore means "copy whenever the best match is longer".
-    kv_cache_balancing_threshold: float = 1.2
-    # Beyond the paper: keep a copy plan only if it is predicted faster than recomputing those blocks.
-    compare_copy_with_recompute: bool = True
-    # "kvcache_centric" (Algorithm 1) or another prefill rule (scheduler/rules.py): "round_robin", "random",
-    # "least_loaded", "cache_aware", "dynamo", "sglang".
-    policy: str = "kvcache_centric"
+    ``policy``, ``kv_cache_balancing_threshold``, ``compare_copy_with_recompute`` and ``early_rejection`` are
+    declared (with their defaults and meaning) in ``PolicyConfig``, which the simulator's ``SimConfig`` extends
+    too; the keys below are the live Conductor's own.
+    """
+
     estimate_model: str = "empirical"  # cost models fitted from measured runs
     reject_on_slo_violation: bool = True  # refuse requests whose predicted TTFT/TBT breaks the SLO
     # A colocated worker's own OpenAI endpoint (for a third-party router in front) admits as the Conductor does
     # (HTTP 429 for what would break the SLO); false: it admits and queues everything, as a stock vLLM or SGLang
     # server does (a router whose circuit breaker counts 429s as worker failures wants that).
     worker_endpoint_admission: bool = True
-    # "prediction": judge TBT on the decode load predicted for when the request's prefill ends;
-    # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
-    early_rejection: str = "prediction"
     # A request whose worker fails (dies, drains, loses its link) resumes on another one, this many times in all.
     max_attempts: int = 3
     # Progress watchdog: a prefill (or a gap in a decode stream) longer than the bound
@@ -307,12 +300,6 @@ class SchedulerConfig:
             self.early_rejection in EARLY_REJECTION,
             "[scheduler] early_rejection",
             f"must be one of {', '.join(EARLY_REJECTION)}",
-        )
-
-    def policy_config(self) -> PolicyConfig:
-        """The policy's view of these keys."""
-        return PolicyConfig(
-            self.policy, self.kv_cache_balancing_threshold, self.compare_copy_with_recompute, self.early_rejection
         )
 
 
@@ -536,7 +523,7 @@ def is_loopback(host: str) -> bool:
 
 
 # The roles that serve the OpenAI REST API, and the key of the address it binds: the gateway's own, a
-# colocated worker's next to its gRPC port (services/worker/worker_http.py).
+# colocated worker's next to its gRPC port (cli/worker_endpoint.py).
 REST_HOSTS = {"gateway": "[gateway] host", "colocated": "[cluster] host", "up": "[gateway] host"}
 
 
@@ -598,12 +585,21 @@ REMOVED_KEYS = {
 }
 
 
+# Keys a section shares with its siblings but never reads, and the key that is read instead.
+UNREAD_KEYS = {
+    ("decode", "max_ttft_ms"): "[prefill] max_ttft_ms",
+    ("prefill", "max_tbt_ms"): "[decode] max_tbt_ms",
+}
+
+
 def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
     hints = typing.get_type_hints(type(target))
     known = {f.name for f in dataclasses.fields(target)}
     for key, value in values.items():
         name = f"[{section}] {key}"
         _check(key not in REMOVED_KEYS or key in known, name, REMOVED_KEYS.get(key, ""))
+        read = UNREAD_KEYS.get((section, key))
+        _check(read is None, name, f"is never read: the SLO of this path is {read}; set that key instead")
         _check(key in known, name, f"unknown key (known: {', '.join(sorted(known))})")
         setattr(target, key, _coerce(value, hints[key], name))
 

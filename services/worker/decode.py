@@ -29,7 +29,7 @@ from opentelemetry import trace
 from kvconductor.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.rpc import RpcError, Service
 from services.common.tasks import complete
-from services.worker.engine_port import RemotePrefill
+from services.worker.engines.port import RemotePrefill
 from services.worker.worker import Worker, sampling_from_proto, token_chunk
 
 log = logging.getLogger(__name__)

@@ -10,26 +10,51 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
+from typing import Protocol
 
 from services.common.cluster_registry import cluster_registry
 from services.common.config import Config
-from services.common.rpc import serve
+from services.common.rpc import Service, serve
 from services.worker import colocated, decode, prefill
 from services.worker.worker import Worker, build_worker
-from services.worker.worker_http import WorkerEndpoint
 
 log = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 3  # a worker whose engine thread died exits with this status
 FAULT_INJECTION_ENV = "KVCONDUCTOR_FAULT_INJECTION"  # "1" enables the test-only fault signals on workers
 
 
-async def run(config: Config, role: str, instance_id: str) -> int:
-    """Serve a prefill, decode or colocated engine worker; the exit status (non-zero if its engine died)."""
+class Endpoint(Protocol):
+    """More services a worker process serves beside its engine's.
+
+    A colocated worker's OpenAI endpoint (``cli/worker_endpoint.py``), composed by the process's launcher.
+    """
+
+    def services(self) -> list[Service]:
+        """The gRPC services for the worker's server."""
+        ...
+
+    async def start(self, address: str) -> None:
+        """Once the worker's gRPC server is bound at ``address``."""
+        ...
+
+    def stop(self) -> None:
+        """When the worker stops."""
+        ...
+
+
+async def run(
+    config: Config, role: str, instance_id: str, endpoint_of: Callable[[Worker], Endpoint] | None = None
+) -> int:
+    """Serve a prefill, decode or colocated engine worker; the exit status (non-zero if its engine died).
+
+    ``endpoint_of``: a colocated worker's further services, built once the worker is.
+    """
     registry = cluster_registry(config)
     worker = await build_worker(config, role, instance_id, registry)
     worker.engine.start()
     background = [asyncio.create_task(worker.refine_cost_models())]
-    endpoint: WorkerEndpoint | None = None  # colocated workers also speak the OpenAI API themselves
+    endpoint: Endpoint | None = None  # colocated workers also speak the OpenAI API themselves
     if role != "decode":  # decode workers do not cache prefixes
         background.append(asyncio.create_task(worker.heartbeat_kv_events()))
     if role == "prefill":
@@ -39,8 +64,8 @@ async def run(config: Config, role: str, instance_id: str) -> int:
         services, decoder = decode.services(worker)
         background.append(asyncio.create_task(decoder.expire_reservations()))
     else:
-        endpoint = WorkerEndpoint(worker)
-        services = [*colocated.services(worker), *endpoint.services()]
+        endpoint = endpoint_of(worker) if endpoint_of is not None else None
+        services = [*colocated.services(worker), *(endpoint.services() if endpoint is not None else ())]
 
     async def on_stop() -> None:
         for task in background:

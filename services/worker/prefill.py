@@ -3,16 +3,16 @@
 Per request::
 
     [KV copy planned: pull the missing prefix blocks from the best holder or the Mooncake Store, see
-     services/worker/kv_copy.py]
+     services/worker/kv/copy.py]
     -> add_request(prefill_only) -> engine computes the uncached blocks, samples token 0
     -> transfer engine writes every prompt block (the last, partial one included) into the decode
-       worker's reserved blocks, each chunk's blocks while the next chunk computes (services/worker/kv_stream.py)
+       worker's reserved blocks, each chunk's blocks while the next chunk computes (services/worker/kv/stream.py)
     -> release the blocks (they stay in the prefix cache) -> announce newly stored / evicted blocks to
        kvmeta -> reply with token 0
 
 The reply comes after the announcement, so a request that follows this one can already be routed to
 the prefix it left behind. With ``[store] enabled`` the prompt's full blocks are then written through
-to the Mooncake Store, off the request's path (services/worker/kv_store.py).
+to the Mooncake Store, off the request's path (services/worker/kv/store.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from services.common import metrics
 from services.common.rpc import Service
 from services.common.tasks import complete, spawn
 from services.common.telemetry import tracer
-from services.worker.engine_port import ImportedBlocks
-from services.worker.kv_copy import Exports, PrefixCopy, pull_from_store, pull_prefix
-from services.worker.kv_stream import KVStreamer
+from services.worker.engines.port import ImportedBlocks
+from services.worker.kv.copy import Exports, PrefixCopy, pull_from_store, pull_prefix
+from services.worker.kv.stream import KVStreamer
 from services.worker.worker import Worker, sampling_from_proto
 
 log = logging.getLogger(__name__)

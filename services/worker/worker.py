@@ -24,14 +24,14 @@ from services.common.config import Config, WorkerConfig
 from services.common.instance_record import CostModels, KVShape, WorkerRecord
 from services.common.registry import Registry
 from services.common.rpc import Service
-from services.worker import builtin_engine
-from services.worker.cost_refiner import CostRefiner
-from services.worker.engine_port import EnginePort
-from services.worker.kv_events import KvEventPublisher
-from services.worker.kv_store import KVStore
+from services.worker.engines import builtin
+from services.worker.engines.port import EnginePort
+from services.worker.kv.events import KvEventPublisher
+from services.worker.kv.store import KVStore
+from services.worker.kv.transfer import KVTransferEngine
+from services.worker.kv.zmq_events import ZmqKvEventPublisher
 from services.worker.ledger import Ledger
-from services.worker.transfer import KVTransferEngine
-from services.worker.zmq_kv_events import ZmqKvEventPublisher
+from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +118,19 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     torch.set_num_threads(pool_config.torch_threads)
     engine: EnginePort
     kv_bootstrap = ""
-    emulation = builtin_engine.emulation_of(config) if config.engine.backend == "emulated" else None
+    emulation = builtin.emulation_of(config) if config.engine.backend == "emulated" else None
     transfer = KVTransferEngine(
         config.cluster.host, protocol=config.cluster.transfer_backend,
         link_floor=None if emulation is None else emulation.transfer_seconds,
     )  # fmt: skip
     if config.engine.backend == "vllm":
-        from services.worker import vllm_start  # imports vLLM: only on workers that run it
+        from services.worker.engines import vllm_start  # imports vLLM: only on workers that run it
 
         engine, refiner, kv_bootstrap = await vllm_start.build(
             config, role, instance_id, pool_config, transfer.count_written
         )
     else:
-        engine, refiner = builtin_engine.build(config, role, pool_config, emulation)
+        engine, refiner = builtin.build(config, role, pool_config, emulation)
     if not engine.moves_kv_itself:
         transfer.register(engine.layout.base_address, engine.layout.nbytes)
     metrics.register_transfer(lambda: transfer.counts().by_direction())

@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from kvconductor.v1 import conductor_pb2
-from scheduler.sim.profiles import analytic_gpu
+from scheduler.profiles import analytic_gpu
 
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
 COLOCATED = conductor_pb2.DEPLOYMENT_COLOCATED

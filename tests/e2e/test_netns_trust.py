@@ -28,7 +28,7 @@ services/common/config.py ``check_trust``):
   certificate reads, never writes;
 * the Mooncake Transfer Engine has no credential: a TCP connect from another host of the network gets in
   (a NetworkPolicy keeps it to the workers in Kubernetes); what is checked is that it listens on the worker's
-  ``[cluster] host`` only (services/worker/bind_guard.py), as every port does (no wildcard).
+  ``[cluster] host`` only (services/worker/kv/bind_guard.py), as every port does (no wildcard).
 
 What the trust model does not settle is printed as a finding, not failed: etcd's peer port taking the TLS
 handshake of any certificate the CA signed that names the caller's address, and the transfer engine's ports,
@@ -67,7 +67,7 @@ from services.common.access import ANY_CERTIFICATE, ROLES, allowed
 from services.common.instance_record import WorkerRecord
 from services.common.net import free_port
 from services.common.registry import EtcdAuth, Registry, connect
-from services.worker.bind_guard import listeners
+from services.worker.kv.bind_guard import listeners
 
 if (_reason := skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)

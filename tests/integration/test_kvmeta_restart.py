@@ -29,7 +29,7 @@ from services.common.instance_record import CostModels, InstanceRecord, KVShape,
 from services.common.registry import Registry
 from services.common.rpc import ErrorInterceptor
 from services.kvmeta.kvmeta import KvMetaServicer, services
-from services.worker.kv_events import MESSAGE_BUDGET, KvEventPublisher
+from services.worker.kv.events import MESSAGE_BUDGET, KvEventPublisher
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ from services.common.config import Config, StoreConfig
 from services.common.instance_record import StoreRecord
 from services.common.registry import InstanceEvent
 from services.store.master import StoreMaster
-from services.worker.engine_port import KVLayout
-from services.worker.kv_store import KVStore
+from services.worker.engines.port import KVLayout
+from services.worker.kv.store import KVStore
 
 BLOCKS = 64
 BLOCK_BYTES = 16 << 10

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.transfer import KVTransferEngine, TransferError, coalesce
+from services.worker.kv.transfer import KVTransferEngine, TransferError, coalesce
 
 POOL_BYTES = 4 << 20
 BLOCK = 64 << 10

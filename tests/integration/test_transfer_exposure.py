@@ -1,7 +1,7 @@
 """The KV data plane listens on the configured host only (issue 27: it stays on the cluster's network).
 
 Mooncake binds its handshake port and its TCP data port to every interface whatever ``local_hostname`` says;
-``KVTransferEngine`` and the Store client confine them (services/worker/bind_guard.py), and the Store's master
+``KVTransferEngine`` and the Store client confine them (services/worker/kv/bind_guard.py), and the Store's master
 gets its metrics/admin address as a flag. Each engine runs in a child process, as a
 worker's does, and the test reads that process's listening sockets from ``/proc/<pid>`` (``ss -ltnp``'s
 source) and connects to them through another address of this host: one on ``lo``, added for the test.
@@ -30,10 +30,10 @@ from services.common.config import Config, StoreConfig
 from services.common.instance_record import StoreRecord
 from services.common.registry import InstanceEvent
 from services.store.master import StoreMaster
-from services.worker.bind_guard import ExposedListenerError, confined
-from services.worker.engine_port import KVLayout
-from services.worker.kv_store import KVStore
-from services.worker.transfer import KVTransferEngine
+from services.worker.engines.port import KVLayout
+from services.worker.kv.bind_guard import ExposedListenerError, confined
+from services.worker.kv.store import KVStore
+from services.worker.kv.transfer import KVTransferEngine
 
 POOL_BYTES = 1 << 20
 BLOCK = 64 << 10

@@ -15,7 +15,7 @@ import pytest
 from scheduler.core import ConductorCore
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
 from scheduler.policy import ConductorPolicy, Plan, Rejection
-from scheduler.sim.profiles import Profile
+from scheduler.profiles import Profile
 from scheduler.sim.simulator import SimConfig, Simulator
 from scheduler.sim.trace import TraceRequest, block_hash
 from services.common.instance_record import CostModels, InstanceRecord, KVShape, WorkerRecord

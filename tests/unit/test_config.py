@@ -38,6 +38,14 @@ def test_the_other_deploy_configs_load(path, backend):
             "kv_cache_memory_mb, which is now the KV pool's size itself",
         ),
         ({"prefill": {"min_mfu": 0.35}}, "[prefill] min_mfu: removed: it was never enforced"),
+        (
+            {"decode": {"max_ttft_ms": 500}},
+            "[decode] max_ttft_ms: is never read: the SLO of this path is [prefill]",
+        ),
+        (
+            {"prefill": {"max_tbt_ms": 50}},
+            "[prefill] max_tbt_ms: is never read: the SLO of this path is [decode]",
+        ),
         ({"gateway": {"api_keys": ["k", " "]}}, "[gateway] api_keys: an empty key would let anyone in"),
         ({"store": {"read_timeout_s": 0}}, "[store] read_timeout_s: must be > 0"),
         ({"emulation": {"kv_bytes_per_token": 24}}, "[emulation] kv_bytes_per_token: must be a positive multiple"),

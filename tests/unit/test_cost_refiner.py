@@ -1,5 +1,5 @@
 from scheduler.cost_model import DecodeModel, PrefillModel, attention_work
-from services.worker.cost_refiner import HALF_LIFE_S, HORIZON_S, CostRefiner
+from services.worker.profiling.refiner import HALF_LIFE_S, HORIZON_S, CostRefiner
 
 TRUE_PREFILL = PrefillModel(0.002, 0.0003, 2e-8)
 TRUE_DECODE = DecodeModel(0.005, 0.0006, 2e-6)

@@ -17,7 +17,7 @@ from services.common.instance_record import InstanceRecord
 from services.common.registry import InstanceEvent
 from services.common.rpc import RpcError
 from services.kvmeta.kvmeta import KvMetaServicer
-from services.worker.kv_events import MESSAGE_BUDGET, chunks, entry_bytes
+from services.worker.kv.events import MESSAGE_BUDGET, chunks, entry_bytes
 
 GRPC_LIMIT = 4 * 1024 * 1024  # gRPC's default max receive message size
 POOL_BLOCKS = 190_464  # an emulated prefill pool of deploy/emulated.toml

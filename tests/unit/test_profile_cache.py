@@ -6,8 +6,8 @@ import json
 import os
 
 from services.common.config import load_config
-from services.worker import profile_cache
-from services.worker.cost_refiner import CostRefiner
+from services.worker.profiling import cache as profile_cache
+from services.worker.profiling.refiner import CostRefiner
 
 PREFILL = [(16, 256.0, 0.01), (256, 65536.0, 0.1)]
 DECODE = [(1, 64, 0.02), (8, 512, 0.03)]

@@ -8,8 +8,8 @@ import pytest
 
 from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
 from scheduler.policy import ConductorPolicy
+from scheduler.profiles import GpuSpec, Profile, analytic_gpu, load_profile, named_profile
 from scheduler.sim.metrics import RequestRecord, summarize, tbt_of
-from scheduler.sim.profiles import GpuSpec, Profile, analytic_gpu, load_profile, named_profile
 from scheduler.sim.simulator import SIM_POLICIES, SimConfig, Simulator
 from scheduler.sim.trace import TraceRequest, block_hash, load_trace
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.worker.engine_port import KVLayout
-from services.worker.kv_store import StoreIO
+from services.worker.engines.port import KVLayout
+from services.worker.kv.store import StoreIO
 from services.worker.prefill import STORE_PIN_SHARE, PrefillServicer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

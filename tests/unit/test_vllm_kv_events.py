@@ -8,8 +8,8 @@ from vllm.distributed import kv_events
 
 from engine.block_hash import prefix_block_hashes
 from engine.block_manager import StoredBlock
-from services.worker.vllm_engine import KVEventTranslator
-from services.worker.zmq_kv_events import ZmqKvEventPublisher
+from services.worker.engines.vllm_engine import KVEventTranslator
+from services.worker.kv.zmq_events import ZmqKvEventPublisher
 
 pytestmark = pytest.mark.vllm
 BS = 32

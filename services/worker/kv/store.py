@@ -42,8 +42,8 @@ from typing import Any
 from services.common.config import Config
 from services.common.instance_record import StoreRecord
 from services.common.registry import InstanceEvent, Registry
-from services.worker.bind_guard import ExposedListenerError, confined
-from services.worker.engine_port import KVLayout
+from services.worker.engines.port import KVLayout
+from services.worker.kv.bind_guard import ExposedListenerError, confined
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
-from scheduler.sim.profiles import named_profile
+from scheduler.profiles import named_profile
 from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
-from services.worker import profile_cache
-from services.worker.cost_refiner import CostRefiner
-from services.worker.engine_loop import EngineDied, EngineLoop, next_output
-from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
-from services.worker.profiler import emulated_profile, profile_engine
+from services.worker.engines.loop import EngineDied, EngineLoop, next_output
+from services.worker.engines.port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
+from services.worker.profiling import cache as profile_cache
+from services.worker.profiling.profiler import emulated_profile, profile_engine
+from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
 

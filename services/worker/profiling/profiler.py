@@ -24,7 +24,7 @@ from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from scheduler.cost_model import attention_work
-from services.worker.cost_refiner import CostRefiner
+from services.worker.profiling.refiner import CostRefiner
 
 PREFILL_SHAPES = ((16, 0), (64, 0), (256, 0), (512, 0), (128, 256), (256, 512))  # (new, cached) tokens
 DECODE_SHAPES = ((1, 64), (1, 512), (4, 128), (8, 64), (8, 256))  # (batch, context per sequence)

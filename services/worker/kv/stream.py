@@ -23,8 +23,8 @@ import grpc
 
 from kvconductor.v1 import common_pb2
 from services.common.rpc import KV_TRANSFER_FAILED, RpcError
-from services.worker.engine_port import KVLayout
-from services.worker.transfer import KVTransferEngine, TransferError
+from services.worker.engines.port import KVLayout
+from services.worker.kv.transfer import KVTransferEngine, TransferError
 
 
 class KVStreamer:

@@ -13,7 +13,7 @@
  *
  * Any other address, and every bind before set_address, passes through unchanged. In-process and
  * without LD_PRELOAD: objects loaded after `install` are not patched, so it is called after the
- * module that loads them is imported (services/worker/bind_guard.py says when).
+ * module that loads them is imported (services/worker/kv/bind_guard.py says when).
  *
  *   install(family, packed_address, path_prefixes) -> number of GOT slots that now point at guard_bind
  *   rewrites() -> how many binds guard_bind has rewritten so far

@@ -19,7 +19,7 @@ still report the caller's blocks, not the merged entries.
 Listening sockets. The engine's handshake (RPC) port and TCP data port are bound to ``host`` only, never to
 every interface: the engine authenticates nobody, and whoever reaches those ports can read and overwrite the
 registered pool. Mooncake itself binds them to the wildcard whatever ``host`` says; ``bind_guard.confined``
-rewrites its binds and refuses an engine that still listens elsewhere (services/worker/bind_guard.py).
+rewrites its binds and refuses an engine that still listens elsewhere (services/worker/kv/bind_guard.py).
 
 The transfer calls block and release the GIL: call them from a worker thread to overlap
 them with compute.
@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from mooncake.engine import TransferEngine
 
-from services.worker.bind_guard import confined
+from services.worker.kv.bind_guard import confined
 
 _PROTOCOLS = ("tcp", "rdma")
 

@@ -1,12 +1,12 @@
 """The start-up profile, kept for the next start: a worker reuses it when nothing it was measured on changed.
 
-Profiling times real prefills and decode steps, one worker per host at a time (services/worker/profiler.py),
+Profiling times real prefills and decode steps, one worker per host at a time (services/worker/profiling/profiler.py),
 and on two CPU cores that is most of a cluster's start. The samples depend on what ran and where: the model's
 files, the engine and its version, dtypes, threads, block size, batch limits, the role's scheduling, the
 host's CPU, and the profile's own shapes. Those are the *fingerprint*; its hash names one JSON file under
 ``[engine] profile_cache_dir`` holding the samples. A start whose fingerprint has a file loads it instead
 of profiling; anything else profiles and writes the file. The cost models refit from live steps either way
-(services/worker/cost_refiner.py), so a profile from a quieter hour is corrected within seconds of work.
+(services/worker/profiling/refiner.py), so a profile from a quieter hour is corrected within seconds of work.
 
 A file that does not parse, or names another fingerprint, is ignored (and replaced); a directory that cannot
 be written only costs the next start its reuse.
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import Config, WorkerConfig
-from services.worker.cost_refiner import CostRefiner
-from services.worker.profiler import SHAPES
+from services.worker.profiling.profiler import SHAPES
+from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # bump when the profile's shapes or the samples' meaning change

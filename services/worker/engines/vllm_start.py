@@ -1,7 +1,8 @@
 """Start vLLM for one worker process: AsyncLLM from the config, the adapter over it, its start-up profile.
 
-The profile comes from the profile cache when nothing it was measured on changed (``profile_cache``), else
-from timing the engine (``vllm_profile``); each step's scheduler stats reach the adapter through a stat logger.
+The profile comes from the profile cache (``services.worker.profiling.cache``) when nothing it was measured on
+changed, else from timing the engine (``vllm_profile``); each step's scheduler stats reach the adapter through a
+stat logger.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
-from services.worker import profile_cache
-from services.worker.cost_refiner import CostRefiner
-from services.worker.engine_port import KVLayout
-from services.worker.vllm_engine import VllmEngine, engine_arguments
-from services.worker.vllm_profile import profile_vllm
+from services.worker.engines.port import KVLayout
+from services.worker.engines.vllm_engine import VllmEngine, engine_arguments
+from services.worker.engines.vllm_profile import profile_vllm
+from services.worker.profiling import cache as profile_cache
+from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A worker never touches an engine's internals: it adds requests and reads their step outputs, reserves
 blocks for KV that arrives from elsewhere, pins, allocates and imports blocks for KV copies, reads the
 KV layout the transfer engine needs, drains KV events, and asks for load and liveness. Adapters own
-their engine's threading rules: ``BuiltinEngine`` (``services/worker/builtin_engine.py``) runs the
+their engine's threading rules: ``BuiltinEngine`` (``services/worker/engines/builtin.py``) runs the
 torch engine on its own thread; ``tests/fake_engine.py`` implements the port in a few lines for fast
 in-process service tests.
 
@@ -27,7 +27,7 @@ from typing import Protocol
 from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
-from services.worker.engine_loop import EngineDied
+from services.worker.engines.loop import EngineDied
 
 __all__ = ["EngineDied", "EngineLoad", "EnginePort", "ImportedBlocks", "KVLayout", "RemotePrefill", "StepOutput"]
 

@@ -1,5 +1,8 @@
 """The OpenAI API served by a colocated worker itself, as a vLLM or SGLang server does.
 
+Composed here, at the process level (``kvconductor serve colocated``), not in ``services/worker``: it joins
+three services (the worker, a Conductor, the gateway's REST shim), and no service package imports another.
+
 Third-party OpenAI routers (the SGLang router, vLLM's router) front workers that speak HTTP. So a
 colocated worker also runs the REST shim (``/health``, ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions``, ``/tokenize``, ``/get_load``) over a Conductor of its own: the same Conductor

@@ -14,7 +14,7 @@ TCP transport's data acceptor on ``asio::ip::tcp::v6()`` any, dual-stack (tcp_tr
 outside P2P handshake mode (transfer_engine_impl.cpp), ``MC_LEGACY_RPC_PORT_BINDING``, ``MC_USE_TENT`` and
 ``MC_RDMA_BIND_ADDRESS`` leave both binds as they are.
 
-How. ``_bind_guard`` (C, services/worker/_bind_guard.c) points the ``bind`` imports of Mooncake's own shared
+How. ``_bind_guard`` (C, services/worker/kv/_bind_guard.c) points the ``bind`` imports of Mooncake's own shared
 objects (their GOT slots) at a wrapper that rewrites a wildcard address to the configured one, an IPv4
 address on an IPv6 socket becoming ``::ffff:a.b.c.d``. In-process, without LD_PRELOAD or a re-exec: nothing
 outside Mooncake's objects (Python's sockets, gRPC, ZMQ) is touched and no child process inherits anything.
@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from services.worker import _bind_guard
+from services.worker.kv import _bind_guard
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column

@@ -4,7 +4,7 @@ The worker process builds an ``AsyncLLM`` (vLLM spawns its EngineCore and model 
 processes) and stays our gRPC service: registered in etcd, profiled, reporting load, publishing KV events.
 What differs from the built-in engine:
 
-* **Prompt KV moves with vLLM's MooncakeConnector** (``services/worker/vllm_connector.py``): a decode
+* **Prompt KV moves with vLLM's MooncakeConnector** (``services/worker/engines/vllm_connector.py``): a decode
   worker's ``Reserve`` submits the decode request at once (``do_remote_prefill``, naming the prefill
   worker's engine id and bootstrap server) and vLLM parks it until the KV arrives; the prefill worker runs
   the prompt with ``max_tokens=1`` (``do_remote_decode``) and its connector pushes the blocks over the
@@ -37,14 +37,14 @@ from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 from services.common.config import Config, WorkerConfig
-from services.worker.cost_refiner import CostRefiner
-from services.worker.engine_loop import EngineDied
-from services.worker.engine_port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
+from services.worker.engines.loop import EngineDied
+from services.worker.engines.port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
+from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 CONNECTOR = "CpuMooncakeConnector"
-CONNECTOR_MODULE = "services.worker.vllm_connector"
+CONNECTOR_MODULE = "services.worker.engines.vllm_connector"
 
 
 class VllmEngine:

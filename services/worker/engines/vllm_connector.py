@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import
     MooncakeBootstrapServer,
 )
 
-from services.worker import bind_guard  # noqa: E402
+from services.worker.kv import bind_guard  # noqa: E402
 
 PARENT_POLL_S = 0.5
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams
 from scheduler.cost_model import attention_work
-from services.worker.cost_refiner import CostRefiner
-from services.worker.profiler import DECODE_SHAPES, DECODE_STEPS, LOCK_PATH, PREFILL_SHAPES, REPEATS
+from services.worker.profiling.profiler import DECODE_SHAPES, DECODE_STEPS, LOCK_PATH, PREFILL_SHAPES, REPEATS
+from services.worker.profiling.refiner import CostRefiner
 
 if TYPE_CHECKING:
-    from services.worker.vllm_engine import VllmEngine
+    from services.worker.engines.vllm_engine import VllmEngine
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import grpc
 from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.rpc import channel
 from services.common.tasks import complete, spawn
-from services.worker.engine_port import EnginePort, ImportedBlocks
-from services.worker.kv_store import StoreIO
+from services.worker.engines.port import EnginePort, ImportedBlocks
+from services.worker.kv.store import StoreIO
 from services.worker.worker import Worker
 
 log = logging.getLogger(__name__)

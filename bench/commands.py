@@ -6,7 +6,8 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``kvconductor bench serve`` and ``bench compare`` (their flags: bench/serve/cli.py, bench/compare/cli.py)."""
+    """Add ``kvconductor bench serve``, ``compare`` and ``results`` (flags: each module's ``add_arguments``)."""
+    from bench import freshness
     from bench.compare import cli as compare_cli
     from bench.serve import cli as serve_cli
 
@@ -15,6 +16,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for name, module, help_ in (
         ("serve", serve_cli, "streaming requests against an OpenAI-compatible base URL: TTFT, TPOT, goodput"),
         ("compare", compare_cli, "colocated baseline vs. disaggregated cluster on the identical workload"),
+        ("results", freshness, "the committed results, stale ones flagged (their code changed since); re-run them"),
     ):
         p = kinds.add_parser(name, help=help_, description=module.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip

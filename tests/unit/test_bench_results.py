@@ -6,7 +6,12 @@ result whose JSON names uncommitted code is refused.
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+from bench.freshness import committed_results, entry_module, examine, rerun_command
+from bench.imports import reached_files
 
 SIM = Path(__file__).resolve().parents[2] / "bench" / "results" / "sim"
 
@@ -90,12 +95,43 @@ def test_sim_readme_prose_numbers_come_from_the_json():
 
 def test_every_committed_result_names_clean_code_and_its_command():
     results = SIM.parent
-    for path in sorted(results.glob("*/*.json")):
+    paths = committed_results()
+    assert {p.parent for p in paths} >= {
+        results / "neighbours" / "flood",
+        results / "scale" / "pd-overload",
+    }  # any depth
+    for path in paths:
         record = json.loads(path.read_text())
         assert record.get("command"), f"{path.relative_to(results)} does not say which command made it"
         assert record.get("code") and "uncommitted" not in record["code"], (
             f"{path.relative_to(results)}: {record.get('code')}"
         )
+        entry_module(record["command"])  # `kvconductor bench results` can tell what code it measures
+
+
+def test_a_result_is_stale_exactly_when_a_later_commit_changed_the_code_its_entry_point_reaches():
+    sim = examine(SIM / "policies.json")
+    measured = {str(f.relative_to(SIM.parents[2])) for f in reached_files([entry_module(sim.command)])}
+    assert {"scheduler/policy.py", "scheduler/sim/simulator.py", "bench/sim/run.py"} <= measured
+    assert not any(f.startswith(("services/", "cli/")) for f in measured)  # the simulator runs no process
+    live = {str(f.relative_to(SIM.parents[2])) for f in reached_files(["bench.compare.cli"])}
+    assert {"services/worker/engines/builtin.py", "services/gateway/gateway.py", "cli/serve.py"} <= live  # spawned
+    if sim.status == "unknown":  # a clone without the result's commit (shallow) cannot tell
+        return
+    changes = subprocess.run(["git", "log", "--format=%h", f"{sim.code}..HEAD", "--", *sorted(measured)],
+                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert sim.status == ("stale" if changes else "fresh") and list(sim.changes) == changes
+
+
+def test_a_rerun_writes_over_the_committed_result():
+    result = examine(SIM.parent / "scale" / "live_vs_sim.json")  # recorded with --out /tmp/lvs
+    command = rerun_command(result)
+    assert command[command.index("--out") + 1] == "bench/results/scale"
+    conductor = rerun_command(examine(SIM.parent / "conductor" / "conductor.json"))
+    assert conductor[:3] == [sys.executable, "-m", "bench.conductor.run"]
+    assert conductor[conductor.index("--json") + 1] == "bench/results/conductor/conductor.json"
+    compare = rerun_command(examine(SIM.parent / "compare" / "routers-run2.json"))
+    assert compare[:4] == [sys.executable, "-m", "cli.main", "bench"]
 
 
 def test_compare_readme_prose_numbers_come_from_the_json():
@@ -134,6 +170,13 @@ def test_compare_readme_prose_numbers_come_from_the_json():
     # issue 13's bar: the Conductor does not trail the best router at c=4 by more than the routers' own noise
     assert all(g <= spread[b[1]] for g, b in zip(gap, best, strict=True)), (gap, best, spread)
     assert all(o["goodput"] > b[0] for o, b in zip(ours1, best1, strict=True))  # "first in both runs" at c=1
+    ranks = [1 + sum(s["goodput"] > o["goodput"] for s in r.values()) for r, o in zip(at4, ours, strict=True)]
+    ordinal = {1: "first", 2: "Second", 3: "Third"}
+    assert len(at4[0]) + 1 == 6
+    claims.append(f"{ordinal[ranks[0]]} of six in the first run")
+    claims.append(f"{ordinal[ranks[1]]} in the second")
+    assert json.loads((folder / "routers.json").read_text())["workload"]["tbt_slo_ms"] == 200.0
+    claims.append("Goodput limits: TTFT 2000 ms, TBT 200 ms")
     claims += [
         f"TTFT p50 {ttft_at['colocated c=1']:.1f} ms colocated vs {ttft_at['disaggregated c=1']:.1f} ms disaggregated",
         f"TPOT p50 {tpot['colocated c=1']:.2f} vs {tpot['disaggregated c=1']:.2f} ms",

@@ -5,10 +5,8 @@ modules import each other, counting imports inside functions and under ``TYPE_CH
 docs/development.md draws the same order.
 """
 
-import ast
-from pathlib import Path
+from bench.imports import SPAWNS, import_graph, module_files
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     {"kvconductor"},  # protos/: the generated messages and stubs
     {"scheduler"},  # the Conductor's core: pure decisions, cost models, profiles
@@ -19,7 +17,6 @@ LAYERS = [
     {"bench"},
 ]
 LAYER = {package: i for i, layer in enumerate(LAYERS) for package in layer}
-SOURCES = ("scheduler", "engine", "services", "cli", "bench")
 
 
 def _package(module: str) -> str | None:
@@ -31,29 +28,9 @@ def _package(module: str) -> str | None:
     return None
 
 
-def _imports() -> dict[str, set[str]]:
-    """Module -> the project modules it imports anywhere in its file."""
-    modules = {}
-    for source in SOURCES:
-        for path in (ROOT / source).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            if name != "services":  # the namespace of the processes' packages, empty
-                modules[name] = path
-    graph = {}
-    for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = {t for t in targets if _package(t) is not None and t != name}
-    return graph
-
-
 def test_every_import_goes_down_the_layers():
     wrong = []
-    for module, targets in _imports().items():
+    for module, targets in import_graph().items():
         mine = _package(module)
         assert mine is not None, f"{module} is in no layer: add its package to LAYERS"
         for target in targets:
@@ -64,9 +41,8 @@ def test_every_import_goes_down_the_layers():
 
 
 def test_no_two_modules_import_each_other():
-    graph = _imports()
-    modules = {m for m in graph}
-    edges = {m: {t for t in targets if t in modules} for m, targets in graph.items()}
+    graph = import_graph()
+    edges = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
     circles = []
     for start in edges:  # a depth-first walk from each module back to itself (the graph is small)
         stack, seen = [(start, (start,))], set()
@@ -79,3 +55,13 @@ def test_no_two_modules_import_each_other():
                     seen.add(nxt)
                     stack.append((nxt, (*path, nxt)))
     assert not circles, "import circles:\n" + "\n".join(sorted(set(circles)))
+
+
+def test_the_graph_sees_function_level_imports_and_every_spawned_module():
+    graph, files = import_graph(), module_files()
+    assert "services.worker.engines.vllm_start" in graph["services.worker.worker"]  # imported inside a function
+    assert files["services.worker.kv._bind_guard"].suffix == ".c"  # a C extension is its source
+    for source, targets in SPAWNS.items():
+        text = files[source].read_text()
+        for target in targets:
+            assert f'"{target}"' in text or f'"-m", "{target}"' in text, f"{source} no longer starts {target}"

@@ -25,6 +25,7 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a metrics connection that has not sent its request
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 # The Conductor: per request.
 REQUESTS = Counter("kvconductor_requests", "Requests by serving path and outcome", ["path", "outcome"])
@@ -41,6 +42,12 @@ PROBES = Counter(
 STALLS = Counter(
     "kvconductor_stalls", "Requests abandoned on a worker that made no progress (by phase)", ["phase", "instance"]
 )
+# The Conductor's own time per request before the worker is called: "tokenize" (text prompts, on a thread),
+# "hash" (chained block hashes), "match" (kvmeta's MatchPrefix RPC), "decide" (Algorithm 1), "book".
+STAGE = Histogram(
+    "kvconductor_conductor_stage_seconds", "The Conductor's own time per request, by stage", ["stage"],
+    buckets=STAGE_BUCKETS,
+)  # fmt: skip
 PROMPT_TOKENS = Counter("kvconductor_prompt_tokens", "Prompt tokens of admitted requests")
 CACHED_TOKENS = Counter("kvconductor_cached_prompt_tokens", "Prompt tokens whose KV was reused (prefix cache or copy)")
 PREDICTION_ERROR = Histogram(

@@ -201,8 +201,8 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
         items = behavior(request, context)
         try:
             while True:
-                try:
-                    with use_span(span, end_on_exit=False):
+                try:  # the stream's end (StopAsyncIteration) is no error: only real ones are recorded, below
+                    with use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                         item = await anext(items)
                 except StopAsyncIteration:
                     return
@@ -210,6 +210,7 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
         except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
             raise
         except Exception as e:  # noqa: BLE001
+            span.record_exception(e)
             await context.abort(*_fail(span, e))
         finally:
             with use_span(span, end_on_exit=False):

@@ -23,7 +23,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
 
 from services.common.config import TelemetryConfig
 
@@ -55,8 +55,10 @@ class JsonLinesSpanExporter(SpanExporter):
 def setup_tracing(config: TelemetryConfig, service: str, instance_id: str) -> TracerProvider:
     """Install this process's tracer provider (call once, before serving)."""
     resource = Resource.create({"service.name": f"kvconductor-{service}", "service.instance.id": instance_id})
-    provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio)))
     endpoint = config.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    # Without an exporter no span goes anywhere: record none (the trace context still propagates).
+    sampler = ParentBased(TraceIdRatioBased(config.trace_sample_ratio)) if endpoint or config.trace_dir else ALWAYS_OFF
+    provider = TracerProvider(resource=resource, sampler=sampler)
     if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 

@@ -224,7 +224,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if not sampling.HasField("seed"):
             # One seed for the whole request, so the prefill and decode workers sample as one engine would.
             sampling.seed = random.getrandbits(63)
-        hashes = prefix_block_hashes(prompt, self.view.block_size())
+        with metrics.STAGE.labels("hash").time():
+            hashes = prefix_block_hashes(prompt, self.view.block_size())
         # The Conductor's own id, unique across replicas: the client's id is only a label (two clients may send
         # the same one), and a failed-over request gets fresh ids while the failed Conductor's are released.
         job = Job(uuid.uuid4().hex, prompt, sampling, list(request.stop), hashes, label=request.request_id)
@@ -246,7 +247,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         which = request.WhichOneof("prompt")
         if which == "text":
             try:
-                prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
+                with metrics.STAGE.labels("tokenize").time():
+                    prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
             except TooManyTokens as e:
                 raise ValueError(too_long(e.count, max_len, e.at_least)) from None
         elif which == "token_ids":
@@ -316,7 +318,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
         with tracer.start_as_current_span("conductor.schedule") as span:
             outcome = await self._decide(job, prefills, decodes)
-            span.set_attributes(decision_attributes(job.decision))
+            if span.is_recording():  # the decision as JSON costs as much as deciding: only for a recorded span
+                span.set_attributes(decision_attributes(job.decision))
         if isinstance(outcome, Rejection):
             log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
@@ -331,7 +334,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     async def _decide(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan | Rejection:
         colocated = prefills is decodes
         store_id = self.view.store.instance_id if self.view.store is not None and not colocated else ""
-        prefix = await self._prefix_lens(job, prefills, store_id)
+        with metrics.STAGE.labels("match").time():
+            prefix = await self._prefix_lens(job, prefills, store_id)
         store = CopySource(store_id, prefix.pop(store_id)) if store_id in prefix else None
         now = time.monotonic()
         ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
@@ -342,12 +346,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.config.scheduler.reject_on_slo_violation,
             ttft_overhead=self.overheads[job.path].value(now),
         )
-        shape = self._shape(job, prefills[0].record)
-        outcome = self.core.decide(
-            now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store
-        )
-        job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome, job.label)
-        self.decisions.record(job.decision)
+        with metrics.STAGE.labels("decide").time():
+            shape = self._shape(job, prefills[0].record)
+            outcome = self.core.decide(
+                now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store
+            )
+            job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome, job.label)
+            self.decisions.record(job.decision)
         return outcome
 
     def _copy_source(self, instance_id: str) -> prefill_pb2.KVSource | None:
@@ -371,8 +376,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     def _assign(self, job: Job, plan: Plan, p: InstanceView, d: InstanceView) -> None:
         """Book the request's prefill work on p and its decode footprint on d."""
-        shape = self._shape(job, p.record)
-        self.core.book(time.monotonic(), job.request_id, plan, shape, p.state, d.state)
+        with metrics.STAGE.labels("book").time():
+            shape = self._shape(job, p.record)
+            self.core.book(time.monotonic(), job.request_id, plan, shape, p.state, d.state)
 
     def _progress(self, job: Job, d: InstanceView, tokens_out: int, max_tokens: int) -> None:
         """``tokens_out`` of this attempt's ``max_tokens`` are out of d: its booking ends at their measured pace."""

@@ -36,6 +36,10 @@ from services.worker.kv.bind_guard import listeners
 READY_TIMEOUT_S = 900.0  # loading and profiling a real model on a busy machine takes minutes
 PROGRESS_EVERY_S = 30.0
 STOP_GRACE_S = 5.0  # beyond [cluster] drain_grace_s, before SIGKILL
+# A port the launcher picked (free when picked) can be taken by another process before the service binds it (a
+# busy machine): such a service starts again on a new port, this many times in all.
+PORT_RETRIES = 3
+PORT_TAKEN = ("address already in use", "failed to bind to address")  # uvicorn's, gRPC's words for it
 
 
 @dataclass
@@ -46,6 +50,13 @@ class Child:
     instance_id: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    log_offset: int = 0  # where this start's output begins in the log (a restart appends)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of what this start of the process wrote."""
+        with self.log_path.open("rb") as log:
+            log.seek(max(self.log_offset, self.log_path.stat().st_size - chars))
+            return log.read().decode(errors="replace")
 
 
 class Cluster:
@@ -59,6 +70,8 @@ class Cluster:
         self.run_dir = Path(run_dir or Path(self.config.cluster.run_dir) / stamp)
         self.children: list[Child] = []
         self.etcd: EmbeddedEtcd | None = None
+        self._picked: set[str] = set()  # the port keys the launcher chose: "gateway.port", "conductor-0"
+        self._port_retries = 0
 
     @property
     def base_url(self) -> str:
@@ -149,11 +162,19 @@ class Cluster:
             self._override("telemetry.trace_dir", f'"{self.run_dir / "traces"}"')
 
     def _resolve_ports(self) -> None:
-        host, _, port = self.config.cluster.scheduler_endpoint.rpartition(":")
-        if port == "0":
-            self._override("cluster.scheduler_endpoint", f'"{host}:{free_port()}"')
+        if self.config.cluster.scheduler_endpoint.endswith(":0"):
+            self._picked.add("conductor-0")
+            self._pick_port("conductor-0")
         if self.config.gateway.port == 0:
+            self._picked.add("gateway-0")
+            self._pick_port("gateway-0")
+
+    def _pick_port(self, instance_id: str) -> None:
+        if instance_id == "gateway-0":
             self._override("gateway.port", str(free_port()))
+        else:
+            host = self.config.cluster.scheduler_endpoint.rpartition(":")[0]
+            self._override("cluster.scheduler_endpoint", f'"{host}:{free_port()}"')
 
     def _override(self, key: str, value: str) -> None:
         self.overrides.append(f"{key}={value}")
@@ -182,10 +203,11 @@ class Cluster:
             args += ["--set", f'cluster.scheduler_endpoint="{host}:{free_port()}"']
         threads = str(getattr(self.config, role).torch_threads) if role in ("prefill", "decode", "colocated") else "1"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        offset = log_path.stat().st_size if log_path.exists() else 0
         with log_path.open("ab") as log:
             process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                        preexec_fn=die_with_parent)  # fmt: skip
-        self.children.append(Child(role, instance_id, process, log_path))
+        self.children.append(Child(role, instance_id, process, log_path, offset))
 
     def _wait_ready(self) -> None:
         expected = {(c.role, c.instance_id) for c in self.children if c.role != "gateway"}
@@ -223,10 +245,31 @@ class Cluster:
             return False
 
     def _check_alive(self) -> None:
-        for child in self.children:
-            if child.process.poll() is not None:
-                tail = child.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{child.instance_id} exited with {child.process.returncode}; log tail:\n{tail}")
+        for child in list(self.children):
+            if child in self.children and child.process.poll() is not None:  # a restart may replace later ones
+                tail = child.log_tail()
+                if not self._restart_on_new_port(child, tail):
+                    raise RuntimeError(f"{child.instance_id} exited with {child.process.returncode}; log tail:\n{tail}")
+
+    def _restart_on_new_port(self, child: Child, tail: str) -> bool:
+        """Start ``child`` again on a new port if another process took the one the launcher picked for it."""
+        picked = child.instance_id in self._picked or (child.role == "conductor" and child.instance_id != "conductor-0")
+        if not picked or self._port_retries >= PORT_RETRIES or not any(w in tail.lower() for w in PORT_TAKEN):
+            return False
+        self._port_retries += 1
+        self.children.remove(child)
+        if child.instance_id in self._picked:
+            self._pick_port(child.instance_id)
+        print(f"  {child.instance_id}: another process took its port before it bound it; starting it on another",
+              flush=True)  # fmt: skip
+        self._spawn(child.role, child.instance_id)
+        if child.instance_id == "conductor-0":  # the gateway falls back to [cluster] scheduler_endpoint
+            for gateway in [c for c in self.children if c.role == "gateway"]:
+                gateway.process.kill()
+                gateway.process.wait()
+                self.children.remove(gateway)
+                self._spawn(gateway.role, gateway.instance_id)
+        return True
 
     def metrics_addresses(self) -> list[tuple[str, str]]:
         """(instance id, host:port of its /metrics) of every registered gRPC process."""

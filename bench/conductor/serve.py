@@ -253,7 +253,10 @@ def markdown(record: dict[str, Any]) -> str:
                      "client TTFT p50 ms", "TTFT p99 ms"], latency)  # fmt: skip
     lines += [
         "",
-        *_table(["instances", "prompt tokens", "requests/s", "tokens/s", "Conductor CPU", "errors"], sustained),
+        *_table(
+            ["instances", "prompt tokens", "requests/s", "tokens/s", "Conductor CPU", "CPU ms/request", "errors"],
+            sustained,
+        ),
     ]
     tokenize = [[f"{int(n):,}", f"{ms:.2f}"] for n, ms in record["tokenize_ms"].items()]
     lines += ["", *_table(["prompt tokens", "tokenize ms"], tokenize)]

@@ -190,10 +190,10 @@ async def wait_for_instances(stub: Any, n: int, timeout_s: float = 120.0) -> Non
 
 
 async def measure(args: argparse.Namespace, config_args: list[str], conductor: dict[str, Any],
-                  bases: dict[int, list[int]], out: Path) -> list[dict[str, Any]]:  # fmt: skip
-    """Every case: a fleet per instance count, every prompt length over it."""
+                  bases: dict[int, list[int]], out: Path, work: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """Every case: a fleet per instance count, every prompt length over it (logs in ``out``)."""
     rows = []
-    prompts = out / "prompts.json"
+    prompts = work / "prompts.json"  # large, and no result: beside etcd's data, not the outputs
     prompts.write_text(json.dumps(list(bases.values())))
     async with grpc.aio.insecure_channel(conductor["address"]) as channel:
         stub = conductor_pb2_grpc.ConductorStub(channel)
@@ -297,7 +297,7 @@ def main() -> int:
             metrics_port = _metrics_port(config.cluster.etcd_endpoints[0], config.cluster.name)
             where = {"pid": conductor.pid, "address": config.cluster.scheduler_endpoint,
                      "metrics": f"http://{metrics_port}/metrics"}  # fmt: skip
-            rows = asyncio.run(measure(args, config_args, where, bases, out))
+            rows = asyncio.run(measure(args, config_args, where, bases, out, Path(tmp)))
     record = {"code": code, "command": "python -m bench.conductor.serve " + shlex.join(sys.argv[1:]),
               "cores": {"conductor": CONDUCTOR_CORE, "etcd, kvmeta, stubs, client": OTHERS_CORE},
               "rows": rows, "tokenize_ms": tokenization(str(REPO / config.model.path), args.tokens)}  # fmt: skip

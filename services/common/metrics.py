@@ -57,6 +57,10 @@ PREDICTION_ERROR = Histogram(
     buckets=ERROR_BUCKETS,
 )
 
+# Workers: a decode worker's token 0 that differs from its prefill worker's (vLLM, where decode samples it again):
+# the attempt fails and the request resumes elsewhere.
+DIVERGENCES = Counter("kvconductor_decode_divergences", "Decode attempts whose token 0 differed from prefill's")
+
 # Workers: KV movement through the transfer engine (the byte counts are read from it at scrape time).
 KV_SECONDS = Histogram("kvconductor_kv_transfer_seconds", "Duration of one KV transfer", ["kind"], buckets=GAP_BUCKETS)
 KV_GBPS = Histogram(

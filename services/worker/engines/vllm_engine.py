@@ -9,8 +9,9 @@ What differs from the built-in engine:
   worker's engine id and bootstrap server) and vLLM parks it until the KV arrives; the prefill worker runs
   the prompt with ``max_tokens=1`` (``do_remote_decode``) and its connector pushes the blocks over the
   Mooncake Transfer Engine. The decode request samples token 0 again (same logits, same seed: the same
-  token) and ``decode`` drops it. No KV copies between prefill workers, no reservations: vLLM's pool lives
-  in its EngineCore (``exports_kv`` is False in the record, so Algorithm 1 never plans a copy).
+  token) and ``decode`` drops it; a different token fails the attempt (``diverged``), and the request resumes.
+  No KV copies between prefill workers, no reservations: vLLM's pool lives in its EngineCore (``exports_kv``
+  is False in the record, so Algorithm 1 never plans a copy).
 * **KV events** come from vLLM's cache over ZMQ (``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared``) and are translated to this repository's chained block hashes (``engine.block_hash``)
   from their token ids, so kvmeta and Algorithm 1's ``prefix_len`` see vLLM's real cache.
@@ -32,11 +33,15 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+import grpc
+
 from engine.block_hash import hash_block
 from engine.block_manager import StoredBlock
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
+from services.common import metrics
 from services.common.config import Config, WorkerConfig
+from services.common.rpc import RpcError
 from services.worker.engines.loop import EngineDied
 from services.worker.engines.port import EngineLoad, ImportedBlocks, KVLayout, RemotePrefill
 from services.worker.profiling.refiner import CostRefiner
@@ -45,6 +50,19 @@ log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 CONNECTOR = "CpuMooncakeConnector"
 CONNECTOR_MODULE = "services.worker.engines.vllm_connector"
+
+
+def diverged(request_id: str, decoded: int, prefilled: int) -> RpcError:
+    """The error of a decode whose token 0 is not the prefill's: the KV it received is not the prompt's.
+
+    INTERNAL, so the Conductor resumes the request on another attempt (after the token 0 its client already has)
+    instead of streaming a continuation of a different token; counted in ``kvconductor_decode_divergences``.
+    """
+    metrics.DIVERGENCES.inc()
+    log.error("request %s: decode sampled token 0 = %d, prefill %d: failing this attempt", request_id, decoded,
+              prefilled)  # fmt: skip
+    message = f"decode diverged from prefill: token 0 = {decoded} here, {prefilled} on the prefill worker"
+    return RpcError(grpc.StatusCode.INTERNAL, message)
 
 
 class VllmEngine:
@@ -232,8 +250,7 @@ class VllmEngine:
                 if first and out.new_token_ids:
                     first = False
                     if out.new_token_ids[0] != first_token_id:
-                        log.warning("request %s: decode sampled token 0 = %d, prefill %d", request_id,
-                                    out.new_token_ids[0], first_token_id)  # fmt: skip
+                        raise diverged(request_id, out.new_token_ids[0], first_token_id)
                     out = dataclasses.replace(out, new_token_ids=out.new_token_ids[1:], logprobs=out.logprobs[1:])
                 yield out
         finally:

@@ -1,0 +1,64 @@
+"""A vLLM decode whose token 0 is not the prefill's fails its attempt (INTERNAL, so the Conductor resumes it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine.outputs import StepOutput
+from engine.sampling import SamplingParams
+from services.common import metrics
+from services.common.rpc import RpcError
+from services.worker.engines.port import KVLayout
+from services.worker.engines.vllm_engine import VllmEngine
+
+
+class _Llm:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _engine() -> tuple[VllmEngine, _Llm]:
+    layout = KVLayout(block_size=16, num_blocks=8, bytes_per_block=1024, base_address=0, num_layers=1,
+                      num_kv_heads=1, head_dim=8, dtype="float32", max_model_len=256, vocab_size=256)  # fmt: skip
+    llm = _Llm()
+    return VllmEngine(llm, layout, "decode"), llm
+
+
+async def _waiting(engine: VllmEngine, request_id: str, outputs: list[StepOutput]) -> None:
+    """A decode request parked in the adapter whose vLLM stream yields ``outputs``."""
+    queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+    for out in outputs:
+        queue.put_nowait(out)
+    engine._remote[request_id] = (queue, asyncio.create_task(asyncio.sleep(3600)))
+
+
+async def _decode(engine: VllmEngine, request_id: str, first_token_id: int) -> list[int]:
+    tokens = []
+    async for out in engine.decode(request_id, [1, 2, 3], first_token_id, SamplingParams(max_tokens=3)):
+        tokens += out.new_token_ids
+    return tokens
+
+
+async def test_the_same_token_0_is_dropped_and_the_rest_streams():
+    engine, _ = _engine()
+    await _waiting(engine, "r", [StepOutput("r", [7, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)])
+    assert await _decode(engine, "r", 7) == [8, 9]
+
+
+async def test_another_token_0_fails_the_attempt_counts_it_and_aborts_the_request():
+    engine, llm = _engine()
+    before = metrics.DIVERGENCES._value.get()
+    await _waiting(engine, "r", [StepOutput("r", [5, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)])
+    with pytest.raises(RpcError) as failed:
+        await _decode(engine, "r", 7)
+    assert failed.value.code == grpc.StatusCode.INTERNAL and "token 0 = 5 here, 7 on the prefill worker" in str(
+        failed.value
+    )
+    assert metrics.DIVERGENCES._value.get() == before + 1
+    assert llm.aborted == ["r"] and "r" not in engine._remote  # nothing of it stays in vLLM or the adapter

@@ -249,6 +249,35 @@ def test_conductor_results_name_clean_code_and_the_readme_says_what_the_json_say
     assert f"{rows[(256, 100000)]['total_p50_ms']:.1f} ms p50" in readme
 
 
+def test_the_end_to_end_conductor_cost_readme_says_what_its_json_says():
+    folder = SIM.parent / "conductor"
+    record = json.loads((folder / "conductor-cost.json").read_text())
+    assert record["command"] == "python -m bench.conductor.serve --out bench/results/conductor"
+    readme = " ".join((folder / "README.md").read_text().split())
+    assert f"at commit {record['code']}, idle machine" in readme
+    latency = {(r["instances"], r["prompt_tokens"]): r for r in record["rows"] if "sustained" not in r}
+    sustained = {r["instances"]: r["sustained"] for r in record["rows"] if "sustained" in r}
+    target = latency[(64, 100_000)]
+    stages = target["stages_mean_ms"]
+    claims = [
+        f"{target['after_tokenization_mean_ms']:.2f} ms (hash {stages['hash']:.2f}, match {stages['match']:.2f}, "
+        f"decide {stages['decide']:.2f}, book {stages['book']:.2f} ms), "
+        f"{target['after_tokenization_mean_ms'] / 3:.1f}x the target",
+        f"time to first token p50 is {target['ttft_ms']['p50']:.2f} ms",
+        f"At 256 instances it is {latency[(256, 100_000)]['after_tokenization_mean_ms']:.2f} ms",
+        f"{sustained[64]['requests_per_s']:.1f} requests/s at 64 instances "
+        f"({sustained[64]['conductor_cpu_ms_per_request']:.2f} ms",
+        f"{sustained[16]['requests_per_s']:.1f} at 16 instances "
+        f"({sustained[16]['conductor_cpu_ms_per_request']:.2f} ms)",
+        f"{sustained[256]['requests_per_s']:.1f} at 256 ({sustained[256]['conductor_cpu_ms_per_request']:.2f} ms)",
+        f"100k-token prompt took {record['tokenize_ms']['100000']:.2f} ms",
+    ]
+    for claim in claims:
+        assert claim in readme, f"README.md no longer says: {claim}"
+    assert target["after_tokenization_mean_ms"] > 3 and sustained[64]["requests_per_s"] < 200  # "neither met"
+    assert all(s["errors"] == 0 and s["tokens"] == 16 * s["requests"] for s in sustained.values())
+
+
 def _capacity(markdown):
     """The SLO-capacity table of a rate sweep's write-up, and its Conductor / best peer ratio line."""
     lines = markdown.splitlines()

@@ -130,7 +130,7 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
             config, role, instance_id, pool_config, transfer.count_written
         )
     else:
-        engine, refiner = builtin.build(config, role, pool_config, emulation)
+        engine, refiner = builtin.build(config, role, pool_config, emulation, instance_id)
     if not engine.moves_kv_itself:
         transfer.register(engine.layout.base_address, engine.layout.nbytes)
     metrics.register_transfer(lambda: transfer.counts().by_direction())

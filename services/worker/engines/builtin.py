@@ -226,12 +226,12 @@ def emulation_of(config: Config) -> Emulation:
 
 
 def build(
-    config: Config, role: str, pool_config: WorkerConfig, emulation: Emulation | None = None
+    config: Config, role: str, pool_config: WorkerConfig, emulation: Emulation | None = None, instance_id: str = ""
 ) -> tuple[BuiltinEngine, CostRefiner]:
     """Load the model, allocate the paged KV pool and profile it.
 
     ``emulation`` (``emulation_of(config)`` for the emulated backend): load only the model's config.json and
-    run the emulated forward pass.
+    run the emulated forward pass; its profile carries ``[emulation] profile_error``, seeded by ``instance_id``.
     """
     log.info("loading %s (%s) with a %d MiB KV pool%s", config.model.path, config.model.dtype,
              pool_config.kv_cache_memory_mb, "" if emulation is None else f", emulated: {emulation}")  # fmt: skip
@@ -250,7 +250,8 @@ def build(
         emulation=emulation,
     )
     if emulation is not None:
-        refiner = emulated_profile(emulation)  # computed, not timed: nothing to keep
+        e = config.emulation  # computed, not timed: nothing to keep
+        refiner = emulated_profile(emulation, e.profile_error, f"{e.profile_error_seed}/{instance_id}")
     else:
         key = profile_cache.fingerprint(config, role, pool_config)
         refiner = profile_cache.load(config, key) or profile_engine(engine)

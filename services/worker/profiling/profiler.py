@@ -106,10 +106,20 @@ def profile_engine(engine: LLMEngine, seed: int = 0) -> CostRefiner:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def emulated_profile(emulation: Emulation) -> CostRefiner:
-    """An emulated engine's start-up profile: its step times at the emulated shapes, scaled as it waits them."""
+def emulated_profile(emulation: Emulation, error: float = 0.0, seed: str = "") -> CostRefiner:
+    """An emulated engine's start-up profile: its step times at the emulated shapes, scaled as it waits them.
+
+    With ``error`` (a log-normal sigma) every time is off by exp(bias + noise): the bias drawn once from
+    N(0, error), the noise per shape, both from ``seed`` (``[emulation] profile_error``: model error).
+    """
+    rng = random.Random(seed)
+    bias = rng.gauss(0.0, error) if error else 0.0
+
+    def off() -> float:
+        return math.exp(bias + rng.gauss(0.0, error)) if error else 1.0
+
     scale, prefill, decode = emulation.time_scale, emulation.prefill, emulation.decode
     return CostRefiner(
-        [(n, attention_work(n, c), prefill.predict(n, c) * scale) for n, c in EMULATED_PREFILL_SHAPES],
-        [(b, b * c, decode.predict(b, b * c) * scale) for b, c in EMULATED_DECODE_SHAPES],
+        [(n, attention_work(n, c), prefill.predict(n, c) * scale * off()) for n, c in EMULATED_PREFILL_SHAPES],
+        [(b, b * c, decode.predict(b, b * c) * scale * off()) for b, c in EMULATED_DECODE_SHAPES],
     )

@@ -109,16 +109,22 @@ class Bookings:
 
     def t_queue(self, now: float) -> float:
         """Predicted seconds of prefill work ahead of a request arriving now."""
+        if not self._pending:  # nothing queued (then _pending_s is 0)
+            return max(0.0, self._busy_until - now)
         behind = self._pending_s - next(iter(self._pending.values()), 0.0)  # waiting behind the running one
         return max(0.0, self._busy_until - now, behind)
 
     def in_prefill(self) -> tuple[int, int]:
         """(requests whose prefill is still queued or running, the tokens they have left to compute)."""
+        if not self.items:  # most instances of a large cluster, at every decision
+            return 0, 0
         waiting = [b for b in self.items.values() if b.predicted_prefill_s > 0]
         return len(waiting), sum(b.new_tokens for b in waiting)
 
     def residents(self, now: float) -> tuple[Resident, ...]:
         """The decode batch as the policy sees it."""
+        if not self.items:
+            return ()
         return tuple(b.resident(now) for b in self.items.values())
 
     def __len__(self) -> int:

@@ -143,3 +143,8 @@ class PrefillEstimate:
     def cost(self) -> float:
         """What Algorithm 1 minimises: the TTFT, plus on a colocated instance ``t_shared``."""
         return self.ttft + self.t_shared
+
+    def with_shared(self, t_shared: float) -> PrefillEstimate:
+        """The estimate with ``t_shared`` (``dataclasses.replace`` costs 5x more, once per candidate per request)."""
+        return PrefillEstimate(self.instance_id, self.prefix_len, self.t_queue, self.t_transfer, self.t_prefill,
+                               self.t_send, self.copy_from, self.copy_tokens, t_shared)  # fmt: skip

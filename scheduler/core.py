@@ -47,9 +47,17 @@ class ConductorCore:
 
         ``prefix_lens``: cached tokens per instance; ``store``: what the Mooncake Store holds of the prompt.
         """
+        if colocated:  # the same instances in both roles: their decode batch computed once each
+            batches = {d.instance_id: d.residents(now) for d in decodes}
+            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, batches[p.instance_id])
+                       for p in prefills]  # fmt: skip
+            decode = [d.decode_candidate(now, batches[d.instance_id]) for d in decodes]
+        else:
+            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now) for p in prefills]
+            decode = [d.decode_candidate(now) for d in decodes]
         return self.policy.schedule(
-            [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now) for p in prefills],
-            [d.decode_candidate(now) for d in decodes],
+            prefill,
+            decode,
             shape,
             slo,
             None if colocated else self.links,

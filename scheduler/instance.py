@@ -46,8 +46,13 @@ class InstanceState:
         """Predicted prefill work ahead of a request arriving now: both queues feed the instance's one."""
         return self.prefilling.t_queue(now) + self.foreign_prefilling.t_queue(now)
 
-    def prefill_candidate(self, prefix_len: int, now: float) -> PrefillCandidate:
-        """The instance as a prefill candidate for a request of which it holds ``prefix_len`` tokens."""
+    def prefill_candidate(
+        self, prefix_len: int, now: float, residents: tuple[Resident, ...] | None = None
+    ) -> PrefillCandidate:
+        """The instance as a prefill candidate for a request of which it holds ``prefix_len`` tokens.
+
+        ``residents``: ``self.residents(now)`` when the caller has it already (a colocated instance's two roles).
+        """
         t_queue = self.t_queue(now)
         profile = self.profile[0] if self.profile else None
         own, foreign = self.prefilling.in_prefill(), self.foreign_prefilling.in_prefill()
@@ -59,7 +64,8 @@ class InstanceState:
                 idle=idle, profile=profile, in_flight=in_flight, queued_new_tokens=queued,
                 exports_kv=self.exports_kv,
             )  # fmt: skip
-        residents = self.residents(now)
+        if residents is None:
+            residents = self.residents(now)
         decoding = [r for r in residents if r.t_join <= 0]
         step = self.decode_model.predict(len(decoding), sum(r.context for r in decoding))
         return PrefillCandidate(
@@ -68,11 +74,11 @@ class InstanceState:
             in_flight=in_flight, queued_new_tokens=queued, exports_kv=self.exports_kv,
         )  # fmt: skip
 
-    def decode_candidate(self, now: float) -> DecodeCandidate:
-        """The instance as a decode candidate."""
+    def decode_candidate(self, now: float, residents: tuple[Resident, ...] | None = None) -> DecodeCandidate:
+        """The instance as a decode candidate (``residents`` as in ``prefill_candidate``)."""
         return DecodeCandidate(
             self.instance_id,
-            residents=self.residents(now),
+            residents=self.residents(now) if residents is None else residents,
             num_free_blocks=self.num_blocks - self.booked_blocks,
             max_running=self.max_running,
             model=self.decode_model,

@@ -159,7 +159,7 @@ class ConductorPolicy:
         if colocated:
             on = {d.instance_id: d for d in decodes}
             estimates = tuple(
-                replace(e, t_shared=shared_delay(e, p, on[e.instance_id], request))
+                e.with_shared(shared_delay(e, p, on[e.instance_id], request))
                 for e, p in zip(estimates, prefills, strict=True)
             )
         chosen = self.rule.choose(estimates, prefills, request)
@@ -260,6 +260,8 @@ def shared_delay(e: PrefillEstimate, p: PrefillCandidate, d: DecodeCandidate, re
     instance once the requests it would slow cost more than the prefix saves.
     """
     n, start = request.num_prompt_tokens, e.ttft
+    if not d.residents:  # an idle instance (most of a large cluster): nobody to delay, a batch of one
+        return request.output_tokens * d.model.predict(1, n) if request.output_tokens > 0 else 0.0
     stalled = sum(1 for r in d.residents if r.t_join <= e.t_queue < r.t_leave)
     delay = stalled * p.model.predict(n - e.prefix_len, e.prefix_len)
     if request.output_tokens <= 0:

@@ -51,7 +51,7 @@ from services.common.rpc import KV_TRANSFER_FAILED, RpcError, Service
 from services.common.tasks import spawn
 from services.common.telemetry import tracer
 from services.conductor.cluster_view import ClusterView, InstanceView
-from services.conductor.decisions import DecisionLog, decision_attributes, to_decision
+from services.conductor.decisions import DecisionLog, DecisionRecord, decision_attributes
 from services.conductor.detokenizer import Detokenizer
 from services.conductor.job import RETRYABLE, Job, Piece, WorkerFailure, blame
 from services.conductor.limits import check_limits
@@ -318,8 +318,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
         with tracer.start_as_current_span("conductor.schedule") as span:
             outcome = await self._decide(job, prefills, decodes)
-            if span.is_recording():  # the decision as JSON costs as much as deciding: only for a recorded span
-                span.set_attributes(decision_attributes(job.decision))
+            if span.is_recording() and job.decision is not None:  # the decision as JSON: only for a recorded span
+                span.set_attributes(decision_attributes(job.decision.message()))
         if isinstance(outcome, Rejection):
             log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
@@ -351,7 +351,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             outcome = self.core.decide(
                 now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store
             )
-            job.decision = to_decision(job.request_id, self.core.policy.config.policy, outcome, job.label)
+            job.decision = DecisionRecord(job.request_id, self.core.policy.config.policy, outcome, job.label)
             self.decisions.record(job.decision)
         return outcome
 
@@ -598,7 +598,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if plan is None:
             return
         if job.decision is not None:
-            job.decision.outcome.MergeFrom(
+            job.decision.observed.MergeFrom(
                 conductor_pb2.Outcome(
                     prefill_ms=r.prefill_seconds * 1e3,
                     kv_send_ms=r.transfer_seconds * 1e3,
@@ -675,7 +675,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 if len(times) == 1:
                     response.conductor_request_id = job.request_id
                     if include_decision and job.decision is not None:
-                        response.decision.CopyFrom(job.decision)
+                        response.decision.CopyFrom(job.decision.message())
                 if final:
                     response.finish_reason = finish
                     response.usage.CopyFrom(
@@ -716,7 +716,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
              "kvconductor.completion_tokens": completion_tokens, "kvconductor.cached_tokens": cached_tokens}
         )  # fmt: skip
         if job.decision is not None:
-            job.decision.outcome.ttft_ms, job.decision.outcome.tbt_ms = ttft * 1e3, tbt * 1e3
+            job.decision.observed.ttft_ms, job.decision.observed.tbt_ms = ttft * 1e3, tbt * 1e3
         self.core.observe_completion(completion_tokens)
 
 

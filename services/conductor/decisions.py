@@ -1,13 +1,16 @@
-"""The Conductor's decision record: every scheduling decision as a ``Decision`` message, by request id.
+"""The Conductor's decision record: every scheduling decision, as a ``Decision`` message on request, by id.
 
 Kept for the most recent requests (accepted and rejected), so ``kvconductor explain REQUEST_ID`` and
-``Conductor.ExplainDecision`` can show the candidates' estimates, the choice and the reason.
+``Conductor.ExplainDecision`` can show the candidates' estimates, the choice and the reason. The message (one
+entry per candidate: hundreds in a large cluster) is built only when asked for: explain, a client's
+``include_decision``, a recorded span. What happened (``Outcome``) is filled in as the request runs.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -59,6 +62,25 @@ def to_decision(request_id: str, policy: str, outcome: Plan | Rejection, label: 
     return decision
 
 
+@dataclass
+class DecisionRecord:
+    """A decision as the policy made it; ``message()`` is its ``Decision``, built at the first call."""
+
+    request_id: str
+    policy: str
+    outcome: Plan | Rejection
+    label: str = ""  # the client's request id
+    observed: conductor_pb2.Outcome = field(default_factory=conductor_pb2.Outcome)  # what happened so far
+    _message: conductor_pb2.Decision | None = None
+
+    def message(self) -> conductor_pb2.Decision:
+        """The decision with what has happened so far."""
+        if self._message is None:
+            self._message = to_decision(self.request_id, self.policy, self.outcome, self.label)
+        self._message.outcome.CopyFrom(self.observed)
+        return self._message
+
+
 def decision_attributes(decision: conductor_pb2.Decision | None) -> dict[str, str | int | float | bool]:
     """The decision as span attributes (``kvconductor.decision.*``), candidates as JSON."""
     if decision is None:
@@ -79,19 +101,19 @@ class DecisionLog:
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
-        self._decisions: OrderedDict[str, conductor_pb2.Decision] = OrderedDict()
+        self._decisions: OrderedDict[str, DecisionRecord] = OrderedDict()
         self._latest: dict[str, str] = {}  # client label -> the Conductor's id of its latest request
 
-    def record(self, decision: conductor_pb2.Decision) -> None:
+    def record(self, decision: DecisionRecord) -> None:
         """Remember a decision (the oldest is forgotten past capacity)."""
         self._decisions[decision.request_id] = decision
         self._decisions.move_to_end(decision.request_id)
-        if decision.client_request_id:
-            self._latest[decision.client_request_id] = decision.request_id
+        if decision.label:
+            self._latest[decision.label] = decision.request_id
         while len(self._decisions) > self.capacity:
             _, old = self._decisions.popitem(last=False)
-            if self._latest.get(old.client_request_id) == old.request_id:
-                del self._latest[old.client_request_id]
+            if self._latest.get(old.label) == old.request_id:
+                del self._latest[old.label]
 
     def get(self, request_id: str) -> conductor_pb2.Decision | None:
         """The decision for a request id, the id of its OpenAI response or a client's label, if still remembered."""
@@ -99,5 +121,5 @@ class DecisionLog:
         for key in keys:
             decision = self._decisions.get(key) or self._decisions.get(self._latest.get(key, ""))
             if decision is not None:
-                return decision
+                return decision.message()
         return None

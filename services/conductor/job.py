@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.block_hash import prefix_block_hashes
-from kvconductor.v1 import common_pb2, conductor_pb2
+from kvconductor.v1 import common_pb2
 from scheduler.policy import Plan
+from services.conductor.decisions import DecisionRecord
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     path: str = ""  # "disaggregated" or "colocated"
     plan: Plan | None = None
-    decision: conductor_pb2.Decision | None = None
+    decision: DecisionRecord | None = None
     generated: list[int] = field(default_factory=list)  # tokens streamed so far (a resumed attempt continues them)
     failed: set[str] = field(default_factory=set)  # instances that failed this request
     attempt: int = 1  # the current attempt, from 1

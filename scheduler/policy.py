@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from typing import Any
 
 from scheduler.candidates import (
@@ -42,6 +43,7 @@ from scheduler.cost_model import LinkModels
 from scheduler.rules import RULES, PrefillRule
 
 POLICIES = tuple(RULES)
+_instance_id = attrgetter("instance_id")
 EARLY_REJECTION = ("prediction", "plain")
 
 
@@ -147,7 +149,10 @@ class ConductorPolicy:
             prefills = [p for p in prefills if p.instance_id in room]
         if not prefills:
             return Rejection(f"no instance is available with {request.num_blocks} free KV blocks and a free slot")
-        best = max(prefills, key=lambda p: (request.usable_prefix(p.prefix_len), p.instance_id))
+        # The holder of the longest usable prefix, ties to the greatest id (usable_prefix is monotonic: one pass of
+        # plain ints, then the ties, instead of a key call per candidate)
+        longest = request.usable_prefix(max(p.prefix_len for p in prefills))
+        best = max((p for p in prefills if request.usable_prefix(p.prefix_len) == longest), key=_instance_id)
         holders = [CopySource(best.instance_id, best.prefix_len)]
         if store is not None and store.prefix_len > 0:
             holders.append(store)

@@ -251,31 +251,37 @@ def test_conductor_results_name_clean_code_and_the_readme_says_what_the_json_say
 
 def test_the_end_to_end_conductor_cost_readme_says_what_its_json_says():
     folder = SIM.parent / "conductor"
-    record = json.loads((folder / "conductor-cost.json").read_text())
-    assert record["command"] == "python -m bench.conductor.serve --out bench/results/conductor"
+    runs = [json.loads((folder / name / "conductor-cost.json").read_text()) for name in (".", "run2")]
+    assert [r["command"] for r in runs] == [
+        "python -m bench.conductor.serve --out bench/results/conductor",
+        "python -m bench.conductor.serve --out bench/results/conductor/run2",
+    ]
+    assert runs[0]["code"] == runs[1]["code"]
     readme = " ".join((folder / "README.md").read_text().split())
-    assert f"at commit {record['code']}, idle machine" in readme
-    latency = {(r["instances"], r["prompt_tokens"]): r for r in record["rows"] if "sustained" not in r}
-    sustained = {r["instances"]: r["sustained"] for r in record["rows"] if "sustained" in r}
-    target = latency[(64, 100_000)]
-    stages = target["stages_mean_ms"]
+    assert f"--out bench/results/conductor` at commit {runs[0]['code']}" in readme
+    latency = [{(r["instances"], r["prompt_tokens"]): r for r in run["rows"] if "sustained" not in r} for run in runs]
+    sustained = [{r["instances"]: r["sustained"] for r in run["rows"] if "sustained" in r} for run in runs]
+    first, second = (lat[(64, 100_000)] for lat in latency)
+    s1 = first["stages_mean_ms"]
     claims = [
-        f"{target['after_tokenization_mean_ms']:.2f} ms (hash {stages['hash']:.2f}, match {stages['match']:.2f}, "
-        f"decide {stages['decide']:.2f}, book {stages['book']:.2f} ms), "
-        f"{target['after_tokenization_mean_ms'] / 3:.1f}x the target",
-        f"time to first token p50 is {target['ttft_ms']['p50']:.2f} ms",
-        f"At 256 instances it is {latency[(256, 100_000)]['after_tokenization_mean_ms']:.2f} ms",
-        f"{sustained[64]['requests_per_s']:.1f} requests/s at 64 instances "
-        f"({sustained[64]['conductor_cpu_ms_per_request']:.2f} ms",
-        f"{sustained[16]['requests_per_s']:.1f} at 16 instances "
-        f"({sustained[16]['conductor_cpu_ms_per_request']:.2f} ms)",
-        f"{sustained[256]['requests_per_s']:.1f} at 256 ({sustained[256]['conductor_cpu_ms_per_request']:.2f} ms)",
-        f"100k-token prompt took {record['tokenize_ms']['100000']:.2f} ms",
+        f"took {runs[0]['tokenize_ms']['100000']:.2f} ms in the first and {runs[1]['tokenize_ms']['100000']:.2f} ms",
+        f"{first['after_tokenization_mean_ms']:.2f} ms in the first run (hash {s1['hash']:.2f}, match "
+        f"{s1['match']:.2f}, decide {s1['decide']:.2f}, book {s1['book']:.2f} ms) and "
+        f"{second['after_tokenization_mean_ms']:.2f} ms in the second (match {second['stages_mean_ms']['match']:.2f})",
+        f"first token p50 is {first['ttft_ms']['p50']:.2f} and {second['ttft_ms']['p50']:.2f} ms",
+        f"At 256 instances: {latency[0][(256, 100_000)]['after_tokenization_mean_ms']:.2f} and "
+        f"{latency[1][(256, 100_000)]['after_tokenization_mean_ms']:.2f} ms",
+        f"at 64 instances {sustained[0][64]['requests_per_s']:.1f} and {sustained[1][64]['requests_per_s']:.1f} "
+        f"requests/s ({sustained[0][64]['conductor_cpu_ms_per_request']:.2f} and "
+        f"{sustained[1][64]['conductor_cpu_ms_per_request']:.2f} ms",
+        f"at 16 instances {sustained[0][16]['requests_per_s']:.1f} and {sustained[1][16]['requests_per_s']:.1f}",
+        f"at 256 instances {sustained[0][256]['requests_per_s']:.1f} and {sustained[1][256]['requests_per_s']:.1f}",
     ]
     for claim in claims:
         assert claim in readme, f"README.md no longer says: {claim}"
-    assert target["after_tokenization_mean_ms"] > 3 and sustained[64]["requests_per_s"] < 200  # "neither met"
-    assert all(s["errors"] == 0 and s["tokens"] == 16 * s["requests"] for s in sustained.values())
+    for lat, sus in zip(latency, sustained, strict=True):  # "neither met", in both runs
+        assert lat[(64, 100_000)]["after_tokenization_mean_ms"] > 3 and sus[64]["requests_per_s"] < 200
+        assert all(s["errors"] == 0 and s["tokens"] == 16 * s["requests"] for s in sus.values())
 
 
 def _capacity(markdown):

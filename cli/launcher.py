@@ -70,7 +70,7 @@ class Cluster:
         self.run_dir = Path(run_dir or Path(self.config.cluster.run_dir) / stamp)
         self.children: list[Child] = []
         self.etcd: EmbeddedEtcd | None = None
-        self._picked: set[str] = set()  # the port keys the launcher chose: "gateway.port", "conductor-0"
+        self._picked: set[str] = set()  # the services whose port the launcher chose: "conductor-0", "gateway-0"
         self._port_retries = 0
 
     @property

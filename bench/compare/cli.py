@@ -102,6 +102,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="open-loop levels instead of --concurrency: Poisson arrivals at R requests/s (a rate sweep)",
     )
+    r.add_argument(
+        "--capacity",
+        type=float,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="instead of fixed levels, bisect each contender's SLO capacity (90%% of requests within SLO) between LO "
+        "and HI requests/s to within --tolerance (bench/compare/capacity.py)",
+    )
+    r.add_argument("--tolerance", type=float, default=0.05, help="--capacity's precision (default 0.05: 5%%)")
+    r.add_argument("--repeats", type=int, default=1, help="--capacity's bisections per contender (default 1)")
     add_workload_arguments(p, requests_flag="--requests")
     add_slo_arguments(p, default="the config's prefill.max_ttft_ms and decode.max_tbt_ms, as the Conductor admits")
 
@@ -178,6 +188,12 @@ def main(args: argparse.Namespace) -> int:
     args.workers = args.workers or (16 if emulated else 2)
     if args.workers < 2:
         print("error: --workers must be at least 2", file=sys.stderr)
+        return 1
+    if args.capacity and not args.routers:
+        print("error: --capacity needs --routers", file=sys.stderr)
+        return 1
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1", file=sys.stderr)
         return 1
     args.contenders = args.contenders or list(DEFAULT_CONTENDERS[args.engine])
     slo_defaults(args)

@@ -1,12 +1,21 @@
 """Dynamo's own serving stack as a ``bench compare --routers`` contender: ``dynamo.mocker`` + ``dynamo.frontend``.
 
-Dynamo's router drives only Dynamo workers, so this contender brings its own: one ``dynamo.mocker``
-process with ``--workers`` aggregated mocker engines (each prefills and decodes) whose timing is a profile
-table of the same latency profile the emulated workers run (``[emulation] profile``), with the cluster
-config's block size, KV capacity (``[colocated] kv_cache_memory_mb`` at ``[emulation] kv_bytes_per_token``)
-and batch limits, and at the same pace (``--speedup-ratio`` = 1 / ``[emulation] time_scale``); then
-``dynamo.frontend`` with the contender's router mode (``dynamo:kv`` is its KV router,
-``dynamo:round_robin`` its round robin) on a free port. Both discover each other through a file store
+Dynamo's router drives only Dynamo workers, so these contenders bring their own mocker engines, whose timing
+is a profile table of the same latency profile the emulated workers run (``[emulation] profile``), with the
+cluster config's block size, KV capacity (``kv_cache_memory_mb`` at ``[emulation] kv_bytes_per_token``) and
+batch limits, and at the same pace (``--speedup-ratio`` = 1 / ``[emulation] time_scale``):
+
+- ``dynamo:POLICY`` (deployment ``dynamo``): one ``dynamo.mocker`` process with ``--workers`` aggregated
+  engines (each prefills and decodes) shaped as our ``[colocated]`` pool;
+- ``dynamo-pd:POLICY`` (deployment ``dynamo-pd``): Dynamo's disaggregated serving on the same split as
+  ``conductor:disaggregated``: ``--prefill-workers`` prefill-only engines shaped as our ``[prefill]`` pool
+  and the rest decode-only engines shaped as our ``[decode]`` pool, two mocker processes; the frontend finds
+  the prefill engines and routes each request's prefill (its KV router over the prefill engines) before
+  its decode. Each request's KV transfer costs the profile's link time for the emulated model's KV (the
+  same ``[emulation] model_link`` time our emulated workers take; none when that is off).
+
+Then ``dynamo.frontend`` with the contender's router mode (``kv`` is its KV router, ``round_robin`` its
+round robin) on a free port. Both discover each other through a file store
 (``--discovery-backend file``: no etcd or NATS). They run from Dynamo's own environment (``make dynamo``:
 ``.venv-dynamo``). What its mocker does differently from our emulated engine: ``bench/scale/dynamo_replay.py``.
 """
@@ -24,8 +33,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.compare.cluster import disaggregated
 from bench.compare.peers import DYNAMO_PYTHON, HOST, ROUTER_STOP_TIMEOUT_S
 from cli.local_cluster import REPO, stop
+from scheduler.profiles import named_profile
 from services.common.config import Config, load_config
 from services.common.net import free_port
 
@@ -42,16 +53,34 @@ def cluster_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, [*args.model_overrides, *args.set])
 
 
-def mocker_command(args: argparse.Namespace, config: Config, table: Path) -> list[str]:
-    """``dynamo.mocker`` with the cluster config's engine shape and the profile table ``table``."""
-    pool = config.colocated
+def engine_counts(args: argparse.Namespace, deployment: str) -> dict[str, int]:
+    """Mocker engines by role: ``{"agg": N}`` for ``dynamo``, ``{"prefill": P, "decode": N - P}`` for ``dynamo-pd``
+    (the split of ``conductor:disaggregated``)."""
+    if deployment == "dynamo":
+        return {"agg": args.workers}
+    prefill, decode = (int(o.partition("=")[2]) for o in disaggregated(args.workers, args.prefill_workers)[:2])
+    return {"prefill": prefill, "decode": decode}
+
+
+def mocker_command(
+    args: argparse.Namespace, config: Config, table: Path, role: str = "agg", count: int = 0
+) -> list[str]:
+    """``dynamo.mocker`` with ``count`` (default ``--workers``) engines of ``role`` (agg, prefill or decode), the
+    engine shape of the matching pool of the cluster config and the profile table ``table``."""
+    pool = {"agg": config.colocated, "prefill": config.prefill, "decode": config.decode}[role]
     blocks = pool.kv_cache_bytes // (config.emulation.kv_bytes_per_token * config.block_size)
-    return [str(DYNAMO_PYTHON), "-m", "dynamo.mocker", "--model-path", str(REPO / config.model.path),
-            "--model-name", args.model, "--num-workers", str(args.workers), "--discovery-backend", "file",
-            "--block-size", str(config.block_size), "--num-gpu-blocks-override", str(blocks),
-            "--max-num-seqs", str(pool.max_concurrent_requests), "--max-num-batched-tokens",
-            str(pool.max_num_batched_tokens), "--planner-profile-data", str(table),
-            "--speedup-ratio", f"{1 / config.emulation.time_scale:g}"]  # fmt: skip
+    command = [str(DYNAMO_PYTHON), "-m", "dynamo.mocker", "--model-path", str(REPO / config.model.path),
+               "--model-name", args.model, "--num-workers", str(count or args.workers), "--discovery-backend",
+               "file", "--block-size", str(config.block_size), "--num-gpu-blocks-override", str(blocks),
+               "--max-num-seqs", str(pool.max_concurrent_requests), "--max-num-batched-tokens",
+               str(pool.max_num_batched_tokens), "--planner-profile-data", str(table),
+               "--speedup-ratio", f"{1 / config.emulation.time_scale:g}"]  # fmt: skip
+    if role == "agg":
+        return command
+    profile = named_profile(config.emulation.profile)
+    gbytes_per_s = profile.link.bandwidth_bytes_per_s / 1e9 if config.emulation.model_link else 0.0
+    return [*command, "--disaggregation-mode", role, "--kv-bytes-per-token", str(profile.bytes_per_token),
+            "--kv-transfer-bandwidth", f"{gbytes_per_s:g}"]  # fmt: skip
 
 
 def _start(command: list[str], store: Path, log_path: Path) -> subprocess.Popen[bytes]:
@@ -63,23 +92,27 @@ def _start(command: list[str], store: Path, log_path: Path) -> subprocess.Popen[
 
 
 @contextmanager
-def dynamo_workers(args: argparse.Namespace, root: Path) -> Iterator[Path]:
-    """The mocker engines, up until the block ends; yields the discovery store the frontends use."""
+def dynamo_workers(args: argparse.Namespace, root: Path, deployment: str = "dynamo") -> Iterator[Path]:
+    """The mocker engines of ``deployment`` (``dynamo`` or ``dynamo-pd``), up until the block ends; yields the
+    discovery store the frontends use."""
     from bench.scale.dynamo_replay import profile_table
-    from scheduler.profiles import named_profile
 
     root.mkdir(parents=True, exist_ok=True)
     config = cluster_config(args)
     table = profile_table(named_profile(config.emulation.profile), root / "mocker_profile.npz")
     store = root / "discovery"
     store.mkdir(exist_ok=True)
-    print(f"[routers] starting {args.workers} Dynamo mocker workers (log {root / 'mocker.log'}) ...",
-          file=sys.stderr, flush=True)  # fmt: skip
-    process = _start(mocker_command(args, config, table), store, root / "mocker.log")
+    processes = []
     try:
+        for role, count in engine_counts(args, deployment).items():
+            log = root / f"mocker-{role}.log"
+            print(f"[routers] starting {count} Dynamo mocker {role} engines (log {log}) ...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            processes.append(_start(mocker_command(args, config, table, role, count), store, log))
         yield store
     finally:
-        stop(process, ROUTER_STOP_TIMEOUT_S)
+        for process in processes:
+            stop(process, ROUTER_STOP_TIMEOUT_S)
 
 
 @contextmanager
@@ -107,7 +140,8 @@ def dynamo_frontend(policy: str, model: str, store: Path, log_path: Path, worker
 
 
 def _ready(base_url: str, model: str, workers: int) -> bool:
-    """Whether the frontend lists ``model`` and its health names ``workers`` generate instances."""
+    """Whether the frontend lists ``model`` and its health names ``workers`` generate instances (prefill and
+    decode engines both serve ``generate``)."""
     try:
         data = httpx.get(f"{base_url}/models", timeout=2.0).json().get("data") or []
         health = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=2.0).json()

@@ -24,12 +24,14 @@ from cli.local_cluster import REPO, stop
 from services.common.net import free_port
 
 ROUTER_MODULES = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router",
-                  "vllm-pd": "vllm_router.launch_router", "dynamo": "dynamo.frontend"}  # fmt: skip
-ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router", "vllm-pd": "vllm-router", "dynamo": "dynamo"}
+                  "vllm-pd": "vllm_router.launch_router", "dynamo": "dynamo.frontend",
+                  "dynamo-pd": "dynamo.frontend"}  # fmt: skip
+ROUTER_PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router", "vllm-pd": "vllm-router", "dynamo": "dynamo",
+                   "dynamo-pd": "dynamo"}  # fmt: skip
 ROUTER_POLICIES = {"sglang": ("cache_aware", "round_robin", "power_of_two", "random"),
                    "vllm": ("cache_aware", "kv_aware", "power_of_two", "round_robin", "random"),
                    "vllm-pd": ("cache_aware", "power_of_two", "round_robin", "random"),
-                   "dynamo": ("kv", "round_robin")}  # fmt: skip
+                   "dynamo": ("kv", "round_robin"), "dynamo-pd": ("kv", "round_robin")}  # fmt: skip
 SERVER_READY_TIMEOUT_S = 300.0
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 15.0
@@ -48,15 +50,16 @@ class Contender:
     spec: str  # "conductor", "sglang:cache_aware", ...
     router: str | None
     policy: str
-    deployment: str  # "colocated", "disaggregated" (our clusters), "vllm-pd" (stock vLLM servers) or "dynamo"
+    # "colocated", "disaggregated" (our clusters), "vllm-pd" (stock vLLM servers), "dynamo" or "dynamo-pd" (mockers)
+    deployment: str
 
     @property
     def label(self) -> str:
         """Table label, e.g. ``sglang-router cache_aware``."""
         if self.router is None:
             return f"conductor{' PD' if self.deployment == 'disaggregated' else ''} ({self.policy})"
-        if self.router == "dynamo":
-            return f"dynamo {self.policy} (its mocker workers)"
+        if self.router in ("dynamo", "dynamo-pd"):
+            return f"dynamo{' PD' if self.router == 'dynamo-pd' else ''} {self.policy} (its mocker workers)"
         return f"{ROUTER_PACKAGES[self.router]}{' PD' if self.router == 'vllm-pd' else ''} {self.policy}"
 
 
@@ -68,12 +71,12 @@ def parse_contender(spec: str, conductor_policy: str = "kvcache_centric") -> Con
     if router not in ROUTER_MODULES or policy not in ROUTER_POLICIES[router]:
         choices = ", ".join(f"{r}:{p}" for r, ps in ROUTER_POLICIES.items() for p in ps)
         raise ValueError(f"unknown contender {spec!r}: use conductor, conductor:disaggregated or one of {choices}")
-    return Contender(spec, router, policy, router if router in ("vllm-pd", "dynamo") else "colocated")
+    return Contender(spec, router, policy, router if router in ("vllm-pd", "dynamo", "dynamo-pd") else "colocated")
 
 
 def router_available(router: str) -> str | None:
     """None when the router's launcher imports here (Dynamo: in its own environment), else why not."""
-    if router == "dynamo":
+    if router in ("dynamo", "dynamo-pd"):
         return None if DYNAMO_PYTHON.exists() else f"Dynamo is not installed ({DYNAMO_PYTHON} missing: run make dynamo)"
     module = ROUTER_MODULES[router]
     try:

@@ -29,7 +29,14 @@ is stopped:
   workers' engine arguments (``bench/compare/vllm_server.py``): vllm-router passes ``kv_transfer_params``
   over HTTP, which our gRPC workers do not take, so it drives vLLM's own servers instead.
 
-Every contender gets the same workload shape at the same concurrency levels. Prompts are fresh for
+On the emulated engine (``--engine emulated``) Dynamo's own stack runs too, on its own mocker engines
+with the same profile and engine shape (``bench/compare/dynamo_live.py``): ``dynamo:POLICY`` aggregated on
+the colocated deployment's slots, ``dynamo-pd:POLICY`` disaggregated on the same prefill/decode split as
+``conductor:disaggregated``.
+
+Every contender gets the same workload shape at the same concurrency levels, or, with ``--capacity LO HI``,
+its SLO capacity is bisected (``bench/compare/capacity.py``: each contender runs the rates its own bisection
+picks, ``--repeats`` times). Prompts are fresh for
 every (contender, level) (seed ``--seed + 100 * contender + level``), so no contender finds the prefixes
 of an earlier one in the workers' caches: each starts as cold as the first. The request order is
 shuffled (seeded): the shared-prefix workload is ordered round-robin over its prefixes, so with as many
@@ -53,7 +60,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +68,7 @@ from typing import Any
 
 import httpx
 
-from bench.compare import report
+from bench.compare import capacity, report
 from bench.compare.cluster import colocated, disaggregated
 from bench.compare.dynamo_live import dynamo_frontend, dynamo_workers
 from bench.compare.peers import (
@@ -85,7 +92,7 @@ DEFAULT_CONTENDERS = {
     "vllm": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:power_of_two",
              "vllm-pd:cache_aware"),
     "emulated": ("conductor", "conductor:disaggregated", "sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware",
-                 "dynamo:kv"),
+                 "dynamo:kv", "dynamo-pd:kv"),
 }  # fmt: skip
 PROBE_REQUESTS = 4
 WARMUP_REQUESTS = 2
@@ -102,19 +109,25 @@ def workload(args: argparse.Namespace, seed: int) -> list[Any]:
 
 @dataclass(frozen=True)
 class Level:
-    """One load level: closed loop at ``concurrency`` or open loop at ``rate`` requests/s (Poisson)."""
+    """One load level: closed loop at ``concurrency`` or open loop at ``rate`` requests/s (Poisson); ``repeat``
+    numbers the bisections of ``--capacity`` (the first is 1)."""
 
     concurrency: int | None = None
     rate: float | None = None
+    repeat: int = 1
 
     @property
     def label(self) -> str:
-        """``c=4`` or ``rate=2.5``."""
-        return f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}"
+        """``c=4``, ``rate=2.5`` or, in a second bisection, ``rate=2.5 #2``."""
+        label = f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}"
+        return label + (f" #{self.repeat}" if self.repeat > 1 else "")
 
 
 def levels(args: argparse.Namespace) -> list[Level]:
-    """``--request-rates`` (open loop) when given, else ``--concurrency`` (closed loop)."""
+    """``--request-rates`` (open loop) when given, else ``--concurrency`` (closed loop); none with ``--capacity``
+    (each contender's bisection picks its own rates)."""
+    if getattr(args, "capacity", None):
+        return []
     if getattr(args, "request_rates", None):
         return [Level(rate=r) for r in args.request_rates]
     return [Level(concurrency=c) for c in args.concurrency]
@@ -160,9 +173,10 @@ def run_contender(
         asyncio.run(check_target(target))  # the routers' /v1/models need not list our model (sglang: "unknown")
     smoke(target)
     runs: dict[str, Any] = {}
-    for j, level in enumerate(levels(args)):
+
+    def one_level(level: Level, seed: int) -> dict[str, Any]:
         before = scrape_all(workers)
-        record = run_level(target, args, level, args.seed + 100 * index + j)
+        record = run_level(target, args, level, seed)
         record["workers"] = worker_deltas(before, scrape_all(workers))
         runs[level.label] = record
         s = record["summary"]
@@ -172,12 +186,39 @@ def run_contender(
               f"{s['completed']}/{s['requests']} done, {s['slo_attainment']:.0%} within SLO, "
               f"worker token shares {shares}",
               file=sys.stderr, flush=True)  # fmt: skip
-    result: dict[str, Any] = {"label": contender.label, "spec": contender.spec, "base_url": base_url, "levels": runs,
-              "probe": probe(target, args, workers, args.seed + 100 * index + 99)}  # fmt: skip
+        return record
+
+    result: dict[str, Any] = {"label": contender.label, "spec": contender.spec, "base_url": base_url, "levels": runs}
+    for j, level in enumerate(levels(args)):
+        one_level(level, args.seed + 100 * index + j)
+    if getattr(args, "capacity", None):
+        result["capacity"] = [bisect_levels(contender, index, repeat, args, one_level)
+                              for repeat in range(1, args.repeats + 1)]  # fmt: skip
+    result["probe"] = probe(target, args, workers, args.seed + 100 * index + 99)
     shares = "/".join(f"{v:.0%}" for v in result["probe"]["token_share"].values())
     print(f"[routers] {contender.label} probe ({PROBE_REQUESTS} requests, one prefix): worker token shares {shares}",
           file=sys.stderr, flush=True)  # fmt: skip
     return result
+
+
+def bisect_levels(
+    contender: Contender,
+    index: int,
+    repeat: int,
+    args: argparse.Namespace,
+    one_level: Callable[[Level, int], dict[str, Any]],
+) -> dict[str, Any]:
+    """One bisection of ``contender``'s SLO capacity in ``--capacity LO HI`` (``bench/compare/capacity.py``);
+    each probe is a level run with its own seed (fresh prompts and arrivals in every repeat)."""
+    seeds = iter(range(args.seed + 100 * index + 1000 * repeat, args.seed + 100 * index + 1000 * repeat + 100))
+
+    def attainment(rate: float) -> float:
+        return float(one_level(Level(rate=rate, repeat=repeat), next(seeds))["summary"]["slo_attainment"])
+
+    found = capacity.bisect(attainment, *args.capacity, args.tolerance).record()
+    print(f"[routers] {contender.label} capacity (bisection {repeat}): {capacity.describe(found)} req/s",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return found
 
 
 def warm_up(base_urls: Sequence[str], model: str) -> None:
@@ -231,7 +272,7 @@ def _one(contender: Contender, i: int, args: argparse.Namespace, front: dict[str
     if contender.router is None:
         return run_contender(contender, i, args, front["rest"], front["workers"])
     log = root / f"{contender.router}-{contender.policy}.log"
-    if contender.router == "dynamo":
+    if contender.router in ("dynamo", "dynamo-pd"):
         print(f"[routers] starting {contender.label}'s frontend (log {log}) ...", file=sys.stderr, flush=True)
         with dynamo_frontend(contender.policy, args.model, front["store"], log, args.workers) as base_url:
             warm_up([base_url], args.model)
@@ -273,9 +314,9 @@ def kv_event_args(workers: Sequence[WorkerInfo], model: str) -> list[str]:
 @contextmanager
 def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iterator[dict[str, Any]]:
     """Bring one deployment up and warm it; yields its workers, gateway URL, router arguments, start-up time."""
-    if deployment == "dynamo":
+    if deployment in ("dynamo", "dynamo-pd"):
         t0 = time.monotonic()
-        with dynamo_workers(args, root / deployment) as store:
+        with dynamo_workers(args, root / deployment, deployment) as store:
             yield {"workers": [], "rest": None, "router_args": [], "kv_event_args": [], "store": store,
                    "startup_s": time.monotonic() - t0}  # fmt: skip
         return
@@ -302,7 +343,7 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     contenders = [parse_contender(spec, conductor_policy(args.set)) for spec in args.contenders]
     if any(c.deployment == "vllm-pd" for c in contenders) and args.engine != "vllm":
         raise ValueError("vllm-pd contenders need --engine vllm (vllm-router drives vLLM servers)")
-    if any(c.deployment == "dynamo" for c in contenders) and args.engine != "emulated":
+    if any(c.router in ("dynamo", "dynamo-pd") for c in contenders) and args.engine != "emulated":
         raise ValueError("dynamo contenders need --engine emulated (Dynamo's mocker runs the emulated profile)")
     results: dict[str, Any] = {}
     runnable = []
@@ -333,10 +374,17 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {"deployments": deployments, "contenders": results}
 
 
+def run_labels(record: dict[str, Any]) -> list[str]:
+    """Every level label that some contender ran, in the order they ran (with ``--capacity`` each contender's
+    bisection ran its own rates)."""
+    return list(dict.fromkeys(label for r in record["contenders"].values() for label in r.get("levels", {})))
+
+
 def table(record: dict[str, Any], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``{"sglang-router cache_aware c=4": summary, ...}``, levels (``Level.label``) outermost."""
     ran = [r for r in record["contenders"].values() if "levels" in r]
-    return {f"{r['label']} {level}": r["levels"][level]["summary"] for level in labels for r in ran}
+    return {f"{r['label']} {level}": r["levels"][level]["summary"] for level in labels for r in ran
+            if level in r["levels"]}  # fmt: skip
 
 
 def workers_markdown(record: dict[str, Any], labels: Sequence[str]) -> str:
@@ -349,7 +397,7 @@ def workers_markdown(record: dict[str, Any], labels: Sequence[str]) -> str:
     for r in ran:
         shares = r["probe"]["token_share"]
         probe_cell = " / ".join(f"{shares[i]:.0%}" if i in shares else "-" for i in ids)
-        for level in labels:
+        for level in (label for label in labels if label in r["levels"]):
             w = r["levels"][level]["workers"]
             cells = [f"{w[i]['token_share']:.0%} / {w[i]['hit_rate']:.0%}" if i in w else "-" for i in ids]
             rows.append(f"| {r['label']} {level} | " + " | ".join(cells) + f" | {probe_cell} |\n")
@@ -357,20 +405,24 @@ def workers_markdown(record: dict[str, Any], labels: Sequence[str]) -> str:
 
 
 def markdown(record: dict[str, Any], title: str, swept: Sequence[Level]) -> str:
-    """routers.md: the table, what the workers saw, the SLO capacities of a rate sweep, what was skipped or failed."""
-    labels = [level.label for level in swept]
+    """routers.md: the table, what the workers saw, the SLO capacities of a rate sweep or of ``--capacity``'s
+    bisections, what was skipped or failed."""
+    labels = [level.label for level in swept] or run_labels(record)
     lines = [f"{title}; code {record['code']}; `{record['command']}`\n", report.markdown_table(table(record, labels)),
              "\nWhat the workers saw (their own /metrics: share of the prompt tokens each engine looked up, and "
              "its prefix-cache hit rate; probe: shares of a prefix sent 4 times in a row; - where a contender ran "
              "on other workers, and none for stock vLLM servers):\n",
              workers_markdown(record, labels)]  # fmt: skip
     rates = [level.rate for level in swept if level.rate is not None]
-    if len(rates) == len(swept):
+    if swept and len(rates) == len(swept):
         ran = [r for r in record["contenders"].values() if "levels" in r]
         by_rate = {r["label"]: {rate: r["levels"][level.label]["summary"] for rate, level in zip(rates, swept,
                    strict=True)} for r in ran}  # fmt: skip
         peers = [r["label"] for r in ran if not r["spec"].startswith("conductor")]
         lines.append("\n" + report.capacity_markdown(by_rate, peers))
+    pd = {spec for spec in record["contenders"] if parse_contender(spec).deployment not in ("colocated", "dynamo")}
+    if bisected := capacity.markdown(record["contenders"], pd):
+        lines.append("\n" + bisected)
     for r in record["contenders"].values():
         for key in ("skipped", "failed", "note"):
             if key in r:
@@ -415,11 +467,11 @@ def main(args: argparse.Namespace, out: Path, root: Path, code: str) -> dict[str
     record = {"kind": "routers", "code": code, "command": args.command_line, "wall_s": time.monotonic() - t0, **result,
               "workload": {k: getattr(args, k) for k in ("workload", "endpoint", "num_requests", "num_prefixes",
                            "suffixes_per_prefix", "prefix_len", "suffix_len", "output_len", "trace", "limit", "seed",
-                           "concurrency", "request_rates", "ttft_slo_ms", "tpot_slo_ms", "tbt_slo_ms",
-                           "prefill_workers")},
+                           "concurrency", "request_rates", "capacity", "tolerance", "repeats", "ttft_slo_ms",
+                           "tpot_slo_ms", "tbt_slo_ms", "prefill_workers")},
               "overrides": args.set}  # fmt: skip
     swept = levels(args)
-    labels = [level.label for level in swept]
+    labels = [level.label for level in swept] or run_labels(record)
     runs = table(record, labels)
     if not runs:
         raise RuntimeError("no contender ran: " + "; ".join(

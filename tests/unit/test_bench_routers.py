@@ -24,6 +24,8 @@ def test_contender_specs():
     assert parse_contender("sglang:cache_aware").deployment == "colocated"
     dynamo = parse_contender("dynamo:kv")  # Dynamo's frontend over its own mocker workers
     assert (dynamo.label, dynamo.deployment, dynamo.router) == ("dynamo kv (its mocker workers)", "dynamo", "dynamo")
+    dynamo_pd = parse_contender("dynamo-pd:kv")  # its disaggregated serving, on the split of conductor PD
+    assert (dynamo_pd.label, dynamo_pd.deployment) == ("dynamo PD kv (its mocker workers)", "dynamo-pd")
     for bad in ("sglang:kv_aware", "vllm-pd:kv_aware", "conductor:pd", "dynamo:cache_aware"):
         with pytest.raises(ValueError, match="unknown contender"):
             parse_contender(bad)
@@ -102,6 +104,73 @@ def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
     assert flags["--max-num-seqs"] == "64" and flags["--max-num-batched-tokens"] == "8192"
     assert flags["--speedup-ratio"] == "0.5"  # twice as slow, as our emulated workers at time_scale 2
     assert flags["--model-path"].endswith("models/tiny-llama") and flags["--planner-profile-data"].endswith("table.npz")
+    assert "--disaggregation-mode" not in flags
+
+
+def test_dynamo_pd_runs_the_split_and_pools_of_our_disaggregated_deployment(tmp_path):
+    from bench.compare.dynamo_live import cluster_config, engine_counts, mocker_command
+    from cli.local_cluster import REPO, TINY_MODEL
+
+    args = argparse.Namespace(config=str(REPO / "deploy/emulated.toml"), set=[], prefill_workers=12, workers=16,
+                              model_overrides=(*TINY_MODEL, 'engine.backend="emulated"'),
+                              model="tiny-llama")  # fmt: skip
+    counts = engine_counts(args, "dynamo-pd")
+    assert counts == {"prefill": 12, "decode": 4} and engine_counts(args, "dynamo") == {"agg": 16}
+    config = cluster_config(args)
+    flags = {role: dict(zip(c[3::2], c[4::2], strict=True)) for role in counts
+             for c in [mocker_command(args, config, tmp_path / "t.npz", role, counts[role])]}  # fmt: skip
+    prefill, decode = flags["prefill"], flags["decode"]
+    assert (prefill["--disaggregation-mode"], prefill["--num-workers"]) == ("prefill", "12")
+    assert (decode["--disaggregation-mode"], decode["--num-workers"]) == ("decode", "4")
+    # deploy/emulated.toml: prefill 186 MiB / decode 81 MiB at 64 bytes a token, 16-token blocks
+    assert prefill["--num-gpu-blocks-override"] == str(186 * 2**20 // (64 * 16))
+    assert decode["--num-gpu-blocks-override"] == str(81 * 2**20 // (64 * 16))
+    assert decode["--max-num-seqs"] == "128"
+    # the transfer takes the profile's link time for the emulated model's KV, as our workers' model_link does
+    assert prefill["--kv-bytes-per-token"] == str(320 * 1024) and prefill["--kv-transfer-bandwidth"] == "12.5"
+    args.set = ["emulation.model_link=false"]
+    off = mocker_command(args, cluster_config(args), tmp_path / "t.npz", "decode", 4)
+    assert off[off.index("--kv-transfer-bandwidth") + 1] == "0"
+
+
+def test_bisection_finds_the_capacity_to_within_the_tolerance():
+    from bench.compare.capacity import bisect, describe
+
+    probed = []
+
+    def attainment(rate):  # the true capacity: 9.3 req/s
+        probed.append(rate)
+        return 0.95 if rate <= 9.3 else 0.7
+
+    found = bisect(attainment, 4, 20, 0.05)
+    record = found.record()
+    assert record["capacity"] <= 9.3 < record["failing"] <= record["capacity"] * 1.05
+    assert len(probed) <= 6 and 4 not in probed and 20 not in probed  # log2(log(5) / log(1.05)) halvings
+    assert describe(record) == f"{record['capacity']:g} ({record['failing']:g} failed)"
+    everything = bisect(lambda rate: 1.0, 4, 20).record()  # the bracket was too low
+    assert everything["at_least"] and describe(everything).startswith("at least") and everything["capacity"] > 19
+    nothing = bisect(lambda rate: 0.0, 4, 20).record()
+    assert nothing["capacity"] is None and describe(nothing) == f"below {nothing['failing']:g}" < "below 4.3"
+    with pytest.raises(ValueError, match="LO < HI"):
+        bisect(attainment, 5, 5)
+
+
+def test_bisected_capacities_are_compared_within_each_kind_of_deployment():
+    from bench.compare.capacity import markdown
+
+    def bisections(*caps):
+        return [{"capacity": c, "failing": round(c * 1.04, 2), "at_least": False} for c in caps]
+
+    contenders = {
+        "conductor": {"label": "conductor", "capacity": bisections(9.0, 9.4)},
+        "dynamo:kv": {"label": "dynamo kv", "capacity": bisections(8.0, 8.2)},
+        "conductor:disaggregated": {"label": "conductor PD", "capacity": bisections(12.0, 13.0)},
+        "dynamo-pd:kv": {"label": "dynamo PD kv", "capacity": bisections(11.0, 13.5)},
+    }
+    md = markdown(contenders, {"conductor:disaggregated", "dynamo-pd:kv"})
+    assert "| conductor | 9 (9.36 failed) | 9.4 (9.78 failed) | 9.20 | 0.40 |" in md
+    assert "dynamo kv: 1.14x (9.20 vs 8.10 req/s; lead +1.10 req/s, larger than" in md
+    assert "dynamo PD kv: 1.02x (12.50 vs 12.25 req/s; lead +0.25 req/s, not larger" in md
 
 
 def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):

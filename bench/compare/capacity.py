@@ -1,0 +1,124 @@
+"""SLO capacity by bisection: ``bench compare --routers --capacity LO HI``.
+
+A contender's SLO capacity is the highest request rate at which at least ``report.ATTAINMENT`` of the
+requests meet every SLO (rejections and failures count as misses). A rate grid reads it to within one grid
+step; bisection finds it to within ``--tolerance`` (5%) in a few runs: the bracket [LO, HI] is halved
+geometrically, each probe one open-loop run at the midpoint, until the highest passing and the lowest
+failing rate are within the tolerance of each other. LO and HI themselves are not run: the first probe is
+their geometric mean, so a bracket that needs ``k`` halvings costs ``k`` runs. Where every probe passes,
+the capacity is reported as at least the highest one (the bracket was too low); where every probe fails,
+as below the lowest one. Each ``--repeats`` bisects again with fresh prompts and arrivals, so the spread
+between repeats is measured, not assumed.
+
+Bisection assumes that attainment falls with the rate; a noisy run can break that, which the repeats
+show as spread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.compare.report import ATTAINMENT
+
+TOLERANCE = 0.05
+
+
+@dataclass
+class Bisection:
+    """One bisection's probes (rate -> attainment) and its result."""
+
+    lo: float
+    hi: float
+    probes: dict[float, float] = field(default_factory=dict)
+
+    @property
+    def passing(self) -> float | None:
+        """The highest probed rate that met the SLO for ``ATTAINMENT`` of its requests."""
+        return max((r for r, a in self.probes.items() if a >= ATTAINMENT), default=None)
+
+    @property
+    def failing(self) -> float | None:
+        """The lowest probed rate that did not."""
+        return min((r for r, a in self.probes.items() if a < ATTAINMENT), default=None)
+
+    def next_rate(self, tolerance: float) -> float | None:
+        """The next rate to probe (0.01 req/s resolution), or None once the bracket is within ``tolerance``."""
+        a, b = self.passing or self.lo, self.failing or self.hi
+        if b <= a * (1 + tolerance):
+            return None
+        rate = round(math.sqrt(a * b), 2)
+        return None if rate in self.probes or not a < rate < b else rate
+
+    def record(self) -> dict[str, Any]:
+        """JSON: the capacity (None: below every probe), the failing rate above it, whether the bracket capped it."""
+        probes = {f"{r:g}": a for r, a in sorted(self.probes.items())}
+        return {"capacity": self.passing, "failing": self.failing, "at_least": self.failing is None,
+                "bracket": [self.lo, self.hi], "probes": probes}  # fmt: skip
+
+
+def bisect(attainment: Callable[[float], float], lo: float, hi: float, tolerance: float = TOLERANCE) -> Bisection:
+    """Probe ``attainment(rate)`` (the share of requests within SLO at that rate) until the capacity in [lo, hi]
+    is known to within ``tolerance``."""
+    if not 0 < lo < hi:
+        raise ValueError(f"--capacity needs 0 < LO < HI, got {lo:g} {hi:g}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"--tolerance must be in (0, 1), got {tolerance:g}")
+    search = Bisection(lo, hi)
+    while (rate := search.next_rate(tolerance)) is not None:
+        search.probes[rate] = attainment(rate)
+    return search
+
+
+def describe(result: dict[str, Any]) -> str:
+    """``9.49 (9.97 failed)``, ``at least 15.8`` or ``below 5.2`` for one bisection's record."""
+    capacity, failing = result["capacity"], result["failing"]
+    if capacity is None:
+        return f"below {failing:g}"
+    return f"at least {capacity:g}" if failing is None else f"{capacity:g} ({failing:g} failed)"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def markdown(contenders: dict[str, dict[str, Any]], pd: set[str]) -> str:
+    """Per contender its bisected capacities, their mean and spread; then ours against the best peer of the same
+    kind of deployment (``pd``: the specs that disaggregate), with whether the lead exceeds the repeats' spread.
+
+    ``contenders``: spec -> the contender's result (``capacity``: a list of ``Bisection.record()``).
+    """
+    ran = {spec: r for spec, r in contenders.items() if r.get("capacity")}
+    if not ran:
+        return ""
+    repeats = max(len(r["capacity"]) for r in ran.values())
+    lines = [f"SLO capacity by bisection (at least {ATTAINMENT:.0%} of requests within every SLO; rejections "
+             "count as misses; each capacity passed, the rate in brackets failed):\n\n",
+             "| front end | " + " | ".join(f"bisection {i + 1} req/s" for i in range(repeats)) +
+             " | mean req/s | spread req/s |\n|---|" + "---:|" * (repeats + 2) + "\n"]  # fmt: skip
+    values: dict[str, list[float]] = {}
+    for spec, r in ran.items():
+        found = [c["capacity"] for c in r["capacity"] if c["capacity"] is not None]
+        cells = [describe(c) for c in r["capacity"]] + [""] * (repeats - len(r["capacity"]))
+        if len(found) == len(r["capacity"]):
+            values[spec] = found
+            stats = f"{_mean(found):.2f} | {max(found) - min(found):.2f}"
+        else:
+            stats = "- | -"
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {stats} |\n")
+    lines.append("\n")
+    for ours, kind in (("conductor", "aggregated"), ("conductor:disaggregated", "PD")):
+        peers = [s for s in values if not s.startswith("conductor") and (s in pd) == (kind == "PD")]
+        if ours not in values or not peers:
+            continue
+        best = max(peers, key=lambda s: _mean(values[s]))
+        mine, theirs = values[ours], values[best]
+        lead = _mean(mine) - _mean(theirs)
+        spread = max(max(mine) - min(mine), max(theirs) - min(theirs))
+        lines.append(f"- {ran[ours]['label']} against the best {kind} peer, {ran[best]['label']}: "
+                     f"{_mean(mine) / _mean(theirs):.2f}x ({_mean(mine):.2f} vs {_mean(theirs):.2f} req/s; "
+                     f"lead {lead:+.2f} req/s, {'larger' if abs(lead) > spread else 'not larger'} than the "
+                     f"larger spread between repeats, {spread:.2f} req/s)\n")  # fmt: skip
+    return "".join(lines)

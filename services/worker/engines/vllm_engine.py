@@ -10,8 +10,14 @@ What differs from the built-in engine:
   the prompt with ``max_tokens=1`` (``do_remote_decode``) and its connector pushes the blocks over the
   Mooncake Transfer Engine. The decode request samples token 0 again (same logits, same seed: the same
   token) and ``decode`` drops it; a different token fails the attempt (``diverged``), and the request resumes.
-  No KV copies between prefill workers, no reservations: vLLM's pool lives in its EngineCore (``exports_kv``
-  is False in the record, so Algorithm 1 never plans a copy).
+  No KV copies between prefill workers: vLLM's pool lives in its EngineCore (``exports_kv`` is False in the
+  record, so Algorithm 1 never plans a copy).
+* **Decode admission** counts vLLM's real pool: a ``Reserve`` commits the blocks of its prompt and
+  ``max_tokens`` until the request ends, and is refused (RESOURCE_EXHAUSTED, as on the built-in engine)
+  when they exceed the free blocks: the fewer of the pool's free blocks after vLLM's last step (its block
+  pool's own count) and the blocks no live reservation holds. The same count is the load's free blocks,
+  so the Conductor's decode choice sees it. vLLM allocates the blocks as the request runs; the
+  commitment keeps them from being promised twice.
 * **KV events** come from vLLM's cache over ZMQ (``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared``) and are translated to this repository's chained block hashes (``engine.block_hash``)
   from their token ids, so kvmeta and Algorithm 1's ``prefix_len`` see vLLM's real cache.
@@ -87,6 +93,8 @@ class VllmEngine:
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
         self._remote: dict[str, tuple[asyncio.Queue[StepOutput | BaseException], asyncio.Task[None]]] = {}
+        self._committed: dict[str, int] = {}  # reserved decode request -> blocks of its prompt and max_tokens
+        self._committed_blocks = 0  # their sum (read from the stat logger's thread too)
         self._died: asyncio.Future[BaseException] | None = None
         self._beats = 0
         self._last_beat = time.monotonic()
@@ -207,15 +215,22 @@ class VllmEngine:
         prompt: Sequence[int] = (),
         remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
-        """Queue the decode request now: no blocks (vLLM allocates as it goes), and the free count.
+        """Queue the decode request if the pool has room: ``[]`` (vLLM allocates as it goes) or None; the free count.
 
-        It waits in vLLM for the KV that the ``remote`` prefill worker's connector pushes.
+        Its prompt and ``max_tokens`` stay committed until it ends (``num_free_blocks``). It waits in vLLM for
+        the KV that the ``remote`` prefill worker's connector pushes.
         """
         self._check_alive()
         if remote is None or len(prompt) != num_prompt_tokens:
             raise ValueError("a vLLM decode worker needs prompt_token_ids and remote_prefill in Reserve")
         if request_id in self._remote:
             raise ValueError(f"request {request_id!r} is already waiting for its KV")
+        need = self.layout.num_blocks_for(min(num_prompt_tokens + params.max_tokens, self.layout.max_model_len))
+        free = self.num_free_blocks
+        if need > free:
+            return None, free
+        self._committed[request_id] = need
+        self._committed_blocks += need
         transfer = {
             "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": remote.engine_id,
             "remote_bootstrap_addr": remote.bootstrap_addr, "transfer_id": request_id,
@@ -230,7 +245,15 @@ class VllmEngine:
                 outputs.put_nowait(e)
 
         self._remote[request_id] = (outputs, asyncio.create_task(pump()))
-        return [], self.stats.num_free_blocks
+        return [], self.num_free_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks free in vLLM's pool after its last step that no live reservation has promised."""
+        return max(0, min(self.stats.num_free_blocks, self.layout.num_blocks - self._committed_blocks))
+
+    def _uncommit(self, request_id: str) -> None:
+        self._committed_blocks -= self._committed.pop(request_id, 0)
 
     async def decode(
         self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams
@@ -257,6 +280,7 @@ class VllmEngine:
             if not finished:
                 await self.abort(request_id)
             self._remote.pop(request_id, None)
+            self._uncommit(request_id)
 
     async def release(self, request_id: str) -> None:
         """Nothing to do: a finished prefill's blocks belong to vLLM's connector until the decode pulls them."""
@@ -264,6 +288,7 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         """Drop a request (a waiting remote decode included); completes even if the caller is cancelled."""
         entry = self._remote.pop(request_id, None)
+        self._uncommit(request_id)
         if entry is not None:
             entry[1].cancel()
         with contextlib.suppress(Exception):
@@ -295,7 +320,7 @@ class VllmEngine:
     def snapshot(self) -> EngineLoad:
         """The load, from any thread."""
         s = self.stats
-        return EngineLoad(s.num_waiting, s.num_running, s.num_free_blocks, self.layout.num_blocks,
+        return EngineLoad(s.num_waiting, s.num_running, self.num_free_blocks, self.layout.num_blocks,
                           s.prefix_queries, s.prefix_hits)  # fmt: skip
 
     def inject_fault(self, kind: str) -> None:

@@ -1,4 +1,5 @@
-"""A vLLM decode whose token 0 is not the prefill's fails its attempt (INTERNAL, so the Conductor resumes it)."""
+"""The vLLM adapter's decode side: a token 0 that is not the prefill's fails its attempt (INTERNAL, so the Conductor
+resumes it); a reservation commits real pool blocks and is refused when they are short."""
 
 from __future__ import annotations
 
@@ -62,3 +63,35 @@ async def test_another_token_0_fails_the_attempt_counts_it_and_aborts_the_reques
     )
     assert metrics.DIVERGENCES._value.get() == before + 1
     assert llm.aborted == ["r"] and "r" not in engine._remote  # nothing of it stays in vLLM or the adapter
+
+
+async def test_a_reservation_beyond_the_free_blocks_is_refused_and_a_finished_one_gives_them_back(monkeypatch):
+    from services.worker.engines.port import RemotePrefill
+
+    engine, llm = _engine()  # 8 blocks of 16 tokens
+    submitted = []
+
+    async def stream(request_id, prompt, sampling):  # vLLM parks the request until its KV arrives
+        submitted.append(request_id)
+        await asyncio.sleep(3600)
+        yield
+
+    monkeypatch.setattr(engine, "_stream", stream)
+    monkeypatch.setattr(engine, "_sampling", lambda params, transfer, prefill=False: None)
+    remote = RemotePrefill("p0", "127.0.0.1:1")
+
+    async def reserve(request_id, prompt_tokens, max_tokens):
+        return await engine.reserve(request_id, prompt_tokens, SamplingParams(max_tokens=max_tokens),
+                                    list(range(prompt_tokens)), remote)  # fmt: skip
+
+    assert await reserve("a", 40, 24) == ([], 4)  # 64 tokens: 4 of the 8 blocks committed
+    assert await reserve("b", 40, 40) == (None, 4)  # 5 blocks > 4 free: refused, never submitted
+    assert await reserve("c", 20, 20) == ([], 1)  # 3 blocks
+    assert engine.snapshot().num_free_blocks == 1  # what the Conductor's decode choice sees
+    await asyncio.sleep(0)
+    assert submitted == ["a", "c"]
+    engine.stats.kv_cache_usage = 0.75  # vLLM's last step: 6 blocks in use (prompts and outputs so far)
+    assert await reserve("d", 17, 15) == (None, 1)  # 2 blocks: a and c still hold what they may grow into
+    await engine.abort("a")  # released, or its decode ended
+    assert "a" in llm.aborted and engine.num_free_blocks == 2  # the pool's own count is the fewer now
+    assert await reserve("d", 17, 15) == ([], 2)  # until vLLM's next step frees a's blocks, still the pool's 2

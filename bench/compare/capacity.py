@@ -5,10 +5,11 @@ requests meet every SLO (rejections and failures count as misses). A rate grid r
 step; bisection finds it to within ``--tolerance`` (5%) in a few runs: the bracket [LO, HI] is halved
 geometrically, each probe one open-loop run at the midpoint, until the highest passing and the lowest
 failing rate are within the tolerance of each other. LO and HI themselves are not run: the first probe is
-their geometric mean, so a bracket that needs ``k`` halvings costs ``k`` runs. Where every probe passes,
-the capacity is reported as at least the highest one (the bracket was too low); where every probe fails,
-as below the lowest one. Each ``--repeats`` bisects again with fresh prompts and arrivals, so the spread
-between repeats is measured, not assumed.
+their geometric mean, so a bracket that needs ``k`` halvings costs ``k`` runs. A bracket that was too low
+or too high grows: when every probe so far passed and the highest is within the tolerance of HI, HI
+doubles (and LO halves the other way), ``EXPANSIONS`` times at most; after that the capacity is reported
+as at least the highest probe (or below the lowest). Each ``--repeats`` bisects again with fresh prompts
+and arrivals, so the spread between repeats is measured, not assumed.
 
 Bisection assumes that attainment falls with the rate; a noisy run can break that, which the repeats
 show as spread.
@@ -24,6 +25,7 @@ from typing import Any
 from bench.compare.report import ATTAINMENT
 
 TOLERANCE = 0.05
+EXPANSIONS = 2  # times a bracket may double past HI (or halve below LO)
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Bisection:
     lo: float
     hi: float
     probes: dict[float, float] = field(default_factory=dict)
+    expansions: int = 0
 
     @property
     def passing(self) -> float | None:
@@ -47,6 +50,14 @@ class Bisection:
     def next_rate(self, tolerance: float) -> float | None:
         """The next rate to probe (0.01 req/s resolution), or None once the bracket is within ``tolerance``."""
         a, b = self.passing or self.lo, self.failing or self.hi
+        if b <= a * (1 + tolerance) and self.expansions < EXPANSIONS:
+            if self.failing is None:  # every probe passed, up to HI: the capacity lies above the bracket
+                self.expansions += 1
+                self.hi *= 2
+            elif self.passing is None:  # every probe failed, down to LO
+                self.expansions += 1
+                self.lo /= 2
+            a, b = self.passing or self.lo, self.failing or self.hi
         if b <= a * (1 + tolerance):
             return None
         rate = round(math.sqrt(a * b), 2)
@@ -56,7 +67,7 @@ class Bisection:
         """JSON: the capacity (None: below every probe), the failing rate above it, whether the bracket capped it."""
         probes = {f"{r:g}": a for r, a in sorted(self.probes.items())}
         return {"capacity": self.passing, "failing": self.failing, "at_least": self.failing is None,
-                "bracket": [self.lo, self.hi], "probes": probes}  # fmt: skip
+                "bracket": [self.lo, self.hi], "expansions": self.expansions, "probes": probes}  # fmt: skip
 
 
 def bisect(attainment: Callable[[float], float], lo: float, hi: float, tolerance: float = TOLERANCE) -> Bisection:

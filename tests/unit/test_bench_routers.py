@@ -147,10 +147,12 @@ def test_bisection_finds_the_capacity_to_within_the_tolerance():
     assert record["capacity"] <= 9.3 < record["failing"] <= record["capacity"] * 1.05
     assert len(probed) <= 6 and 4 not in probed and 20 not in probed  # log2(log(5) / log(1.05)) halvings
     assert describe(record) == f"{record['capacity']:g} ({record['failing']:g} failed)"
-    everything = bisect(lambda rate: 1.0, 4, 20).record()  # the bracket was too low
-    assert everything["at_least"] and describe(everything).startswith("at least") and everything["capacity"] > 19
+    above = bisect(lambda rate: 0.95 if rate <= 30 else 0.5, 4, 20).record()  # the bracket was too low: it grows
+    assert above["expansions"] == 1 and above["capacity"] <= 30 < above["failing"] <= above["capacity"] * 1.05
+    everything = bisect(lambda rate: 1.0, 4, 20).record()  # grown twice, still too low
+    assert everything["at_least"] and describe(everything).startswith("at least") and everything["capacity"] > 76
     nothing = bisect(lambda rate: 0.0, 4, 20).record()
-    assert nothing["capacity"] is None and describe(nothing) == f"below {nothing['failing']:g}" < "below 4.3"
+    assert nothing["capacity"] is None and describe(nothing) == f"below {nothing['failing']:g}" < "below 1.1"
     with pytest.raises(ValueError, match="LO < HI"):
         bisect(attainment, 5, 5)
 

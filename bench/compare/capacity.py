@@ -110,12 +110,13 @@ def markdown(contenders: dict[str, dict[str, Any]], pd: set[str]) -> str:
              "| front end | " + " | ".join(f"bisection {i + 1} req/s" for i in range(repeats)) +
              " | mean req/s | spread req/s |\n|---|" + "---:|" * (repeats + 2) + "\n"]  # fmt: skip
     values: dict[str, list[float]] = {}
+    capped = {spec for spec, r in ran.items() if any(c["at_least"] for c in r["capacity"])}
     for spec, r in ran.items():
         found = [c["capacity"] for c in r["capacity"] if c["capacity"] is not None]
         cells = [describe(c) for c in r["capacity"]] + [""] * (repeats - len(r["capacity"]))
         if len(found) == len(r["capacity"]):
             values[spec] = found
-            stats = f"{_mean(found):.2f} | {max(found) - min(found):.2f}"
+            stats = f"{_bound(spec, capped)}{_mean(found):.2f} | {max(found) - min(found):.2f}"
         else:
             stats = "- | -"
         lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {stats} |\n")
@@ -128,8 +129,15 @@ def markdown(contenders: dict[str, dict[str, Any]], pd: set[str]) -> str:
         mine, theirs = values[ours], values[best]
         lead = _mean(mine) - _mean(theirs)
         spread = max(max(mine) - min(mine), max(theirs) - min(theirs))
+        bound = _bound(ours, capped) if best not in capped else "about "  # a capped peer: the ratio is no bound
         lines.append(f"- {ran[ours]['label']} against the best {kind} peer, {ran[best]['label']}: "
-                     f"{_mean(mine) / _mean(theirs):.2f}x ({_mean(mine):.2f} vs {_mean(theirs):.2f} req/s; "
-                     f"lead {lead:+.2f} req/s, {'larger' if abs(lead) > spread else 'not larger'} than the "
-                     f"larger spread between repeats, {spread:.2f} req/s)\n")  # fmt: skip
+                     f"{bound}{_mean(mine) / _mean(theirs):.2f}x ({_bound(ours, capped)}{_mean(mine):.2f} vs "
+                     f"{_bound(best, capped)}{_mean(theirs):.2f} req/s; lead {lead:+.2f} req/s, "
+                     f"{'larger' if abs(lead) > spread else 'not larger'} than the larger spread between "
+                     f"repeats, {spread:.2f} req/s)\n")  # fmt: skip
     return "".join(lines)
+
+
+def _bound(spec: str, capped: set[str]) -> str:
+    """ "at least " for a contender one of whose bisections found no failing rate, so its mean is a lower bound."""
+    return "at least " if spec in capped else ""

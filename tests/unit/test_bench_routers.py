@@ -173,6 +173,12 @@ def test_bisected_capacities_are_compared_within_each_kind_of_deployment():
     assert "| conductor | 9 (9.36 failed) | 9.4 (9.78 failed) | 9.20 | 0.40 |" in md
     assert "dynamo kv: 1.14x (9.20 vs 8.10 req/s; lead +1.10 req/s, larger than" in md
     assert "dynamo PD kv: 1.02x (12.50 vs 12.25 req/s; lead +0.25 req/s, not larger" in md
+    capped = {"label": "conductor PD", "capacity": [
+        {"capacity": 17.18, "failing": None, "at_least": True}, {"capacity": 16.39, "failing": 17.18, "at_least": False}
+    ]}  # fmt: skip
+    md = markdown({**contenders, "conductor:disaggregated": capped}, {"conductor:disaggregated", "dynamo-pd:kv"})
+    assert "| conductor PD | at least 17.18 | 16.39 (17.18 failed) | at least 16.79 | 0.79 |" in md
+    assert "dynamo PD kv: at least 1.37x (at least 16.79 vs 12.25 req/s" in md
 
 
 def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""``bench.scale.agent_trace``: a Mooncake-format tool-agent workload that ``bench serve`` replays."""
+"""``bench.scale``'s tools: the tool-agent workload (Mooncake trace format) and the decisions summary of a run."""
 
 from __future__ import annotations
 
@@ -22,3 +22,26 @@ def test_the_agent_trace_is_seeded_replayable_and_mostly_reusable(tmp_path, caps
     # the agents' system prompts, which other requests share
     starts = {r.prompt_ids[:512] for r in requests}
     assert len(starts) <= 6 and all(len(r.prompt_ids) > 4 * 512 for r in requests)
+
+
+def test_decisions_sums_what_the_conductor_chose_against_the_longest_prefix(tmp_path, capsys):
+    import json
+
+    from bench.scale import decisions
+
+    def span(prefix_len, best_len, rejected=False):
+        attributes = {"prefix_len": prefix_len, "best_len": best_len, "t_queue_ms": 10.0, "t_shared_ms": 5.0,
+                      "predicted_ttft_ms": 100.0, "rejected": rejected}  # fmt: skip
+        return {
+            "name": "conductor.schedule",
+            "attributes": {f"kvconductor.decision.{k}": v for k, v in attributes.items()},
+        }
+
+    (tmp_path / "traces").mkdir()
+    spans = [span(512, 512), span(0, 1024), span(0, 0, rejected=True), {"name": "other", "attributes": {}}]
+    (tmp_path / "traces" / "conductor-0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    assert decisions.main([str(tmp_path), "--out", str(tmp_path / "d.json")]) == 0
+    got = json.loads((tmp_path / "d.json").read_text())["conductors"]["conductor-0"]
+    assert (got["decisions"], got["rejected"], got["below_best_prefix"]) == (2, 1, 0.5)
+    assert (got["reused_tokens"], got["best_tokens"]) == (512, 1536)
+    assert decisions.main([str(tmp_path / "nothing")]) == 1

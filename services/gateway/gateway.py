@@ -98,11 +98,19 @@ class Gateway:
             self.tokenizer()  # at start-up, not on the first request's loop turn (about 0.5 s)
 
     def tokenizer(self) -> tuple[Tokenizer, int]:
-        """The served model's tokenizer and context length (loaded on first use)."""
+        """The served model's tokenizer and context length (loaded on first use).
+
+        The context is the one the workers serve: the model's, or ``[emulation] max_model_len`` on emulated
+        engines (which load only the model's tokenizer and config, whatever context it declares).
+        """
         if self._tokenizer is None:
             raw = json.loads((Path(self.config.model.path) / "config.json").read_text())
             self._tokenizer = load_tokenizer(self.config.model.path)
-            self._max_model_len = ModelConfig.from_hf_config(raw, self.model).max_model_len
+            self._max_model_len = (
+                self.config.emulation.max_model_len
+                if self.config.engine.backend == "emulated"
+                else ModelConfig.from_hf_config(raw, self.model).max_model_len
+            )
         return self._tokenizer, self._max_model_len
 
     def refuse_long_prompt(self, prompt: str | list[int]) -> None:

@@ -109,3 +109,14 @@ def test_the_gateway_refuses_a_prompt_its_bytes_prove_too_long_without_calling_a
         assert error["type"] == "invalid_request_error"
         expected = rf"the prompt has at least \d+ tokens; this model's context length is {context}"
         assert re.fullmatch(expected, error["message"])
+
+
+def test_the_gateways_context_is_the_one_emulated_workers_serve_not_the_model_files(model_dir):
+    """An emulated engine loads only the model's tokenizer and config: its context is ``[emulation]``'s."""
+    declared = config_from_dict({"model": {"path": str(model_dir), "name": "m"}})
+    emulated = config_from_dict({"model": {"path": str(model_dir), "name": "m"}, "engine": {"backend": "emulated"},
+                                 "emulation": {"max_model_len": 131072}})  # fmt: skip
+    assert create_app(declared, discover=False).state.gateway.tokenizer()[1] < 131072
+    gateway = create_app(emulated, discover=False).state.gateway
+    assert gateway.tokenizer()[1] == 131072
+    gateway.refuse_long_prompt("x" * 100_000)  # beyond the model files' context, within the emulated one

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import git_state
+
 PREFIX = "kvconductor.decision."
 
 
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if not traces:
         print(f"error: no {args.run}/traces/conductor-*.jsonl (a run with [telemetry] trace_dir)", file=sys.stderr)
         return 1
-    record = {"command": "python -m bench.scale.decisions " + shlex.join(argv if argv is not None else sys.argv[1:]),
+    record = {"kind": "decisions", "code": git_state(),
+              "command": "python -m bench.scale.decisions " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "conductors": {t.stem: summarize(t) for t in traces}}  # fmt: skip
     text = json.dumps(record, indent=2) + "\n"
     if args.out:

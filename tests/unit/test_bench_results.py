@@ -496,3 +496,105 @@ def test_the_pd_overload_run_lost_no_request_and_the_readme_says_so():
     worst = min(s["slo_attainment"] for s in levels)
     assert f"all {sum(s['completed'] for s in levels):,} requests completed, none failed" in flat
     assert f"({worst:.0%} within SLO at 24 req/s)" in flat
+
+
+LIKE_FOR_LIKE = {"trace-linear": "the conversation trace", "shared-prefix-linear": "shared prefixes",
+                 "agent-linear": "tool agent"}  # fmt: skip
+
+
+def _ratios(markdown):
+    """The two comparison lines' ratios of a ``--capacity`` routers.md: (aggregated, PD), e.g. ``at least 1.46x``."""
+    import re
+
+    found = dict(re.findall(r"against the best (aggregated|PD) peer, [^:]+: ((?:at least |about )?[0-9.]+x)", markdown))
+    return found["aggregated"], found["PD"]
+
+
+def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_says():
+    folder = SIM.parent / "scale"
+    readme = (folder / "README.md").read_text()
+    flat = " ".join(readme.split())
+    runs = {}
+    for name, workload in LIKE_FOR_LIKE.items():
+        record = json.loads((folder / "like-for-like" / name / "routers.json").read_text())
+        assert record["code"] and "uncommitted" not in record["code"], f"{name} ran uncommitted code"
+        assert "--capacity" in record["command"] and "emulation.profile_error=0.2" in record["command"]
+        assert "emulation.profile=analytic-gpu-linear" in record["command"]
+        assert f"code {record['code']})" in readme and " ".join(record["command"].split()[4:12]) in flat
+        markdown = (folder / "like-for-like" / name / "routers.md").read_text()
+        bisected = markdown[markdown.index("| front end | bisection 1") :].strip().splitlines()
+        missing = [line for line in bisected if line and line not in readme]
+        assert not missing, f"README.md does not quote {name}/routers.md: {missing}"
+        aggregated, pd = _ratios(markdown)
+        assert f"| {workload} | {aggregated} | {pd} |" in readme
+        runs[name] = record
+
+    def at(name, spec, which):
+        """The summary at bisection 1's capacity or failing rate, and that rate."""
+        rate = runs[name]["contenders"][spec]["capacity"][0][which]
+        return runs[name]["contenders"][spec]["levels"][f"rate={rate:g}"]["summary"], rate
+
+    def hits(name, spec):
+        rates = [v["summary"]["prefix_cache_hit_rate"] for v in runs[name]["contenders"][spec]["levels"].values()]
+        return f"{min(rates):.1%}-{max(rates):.1%}"
+
+    (dk, dk_rate), (co, co_rate) = (
+        at("trace-linear", "dynamo:kv", "failing"),
+        at("trace-linear", "conductor", "capacity"),
+    )
+    (dp, dp_rate) = at("trace-linear", "dynamo-pd:kv", "failing")
+    (cp, cp_rate) = at("trace-linear", "conductor:disaggregated", "capacity")
+    refused = {k[:3]: v for k, v in cp["errors"].items()}
+    claims = [
+        f"at {dk_rate:g} req/s Dynamo aggregated kept {dk['slo_attainment']:.0%} within SLO with TBT p90 "
+        f"{dk['tbt_ms']['p90']:.0f} ms (TTFT was not its limit: p90 {dk['ttft_ms']['p90'] / 1e3:.1f} s",
+        f"at {co_rate:g} req/s our colocated Conductor kept TBT p90 at {co['tbt_ms']['p90']:.0f} ms",
+        f"at {dp_rate:g} req/s its TTFT p90 was {dp['ttft_ms']['p90'] / 1e3:.1f} s",
+        f"at {cp_rate:g} req/s ours was {cp['ttft_ms']['p90'] / 1e3:.1f} s, with {refused['429']} requests refused "
+        f"with 429 and {refused['400']} with the 400 below",
+        f"hit rate {hits('trace-linear', 'conductor:disaggregated')} over its probes against "
+        f"{hits('trace-linear', 'dynamo-pd:kv')} for Dynamo's split ({hits('trace-linear', 'conductor')} against "
+        f"{hits('trace-linear', 'dynamo:kv')} aggregated)",
+    ]
+    for level in runs["trace-linear"]["contenders"]["conductor"]["levels"].values():
+        assert {k[:3]: v for k, v in level["summary"]["errors"].items()}.get("400") == 9  # "9 of every 400"
+    shared = "shared-prefix-linear"
+    (dk, dk_rate), (co, co_rate) = at(shared, "dynamo:kv", "failing"), at(shared, "conductor", "failing")
+    (dp, dp_rate), (cp, cp_rate) = (
+        at(shared, "dynamo-pd:kv", "failing"),
+        at(shared, "conductor:disaggregated", "failing"),
+    )
+    claims += [
+        f"the hit rates were {hits(shared, 'conductor')} for our colocated Conductor, {hits(shared, 'dynamo:kv')} for "
+        f"Dynamo aggregated, {hits(shared, 'conductor:disaggregated')} for our split and "
+        f"{hits(shared, 'dynamo-pd:kv').split('-')[0]} for Dynamo's",
+        f"At its first failing rate ({dk_rate:g} req/s) Dynamo aggregated kept {dk['slo_attainment']:.0%} within "
+        f"SLO with TBT p90 {dk['tbt_ms']['p90']:.0f} ms; ours at {co_rate:g} req/s {co['slo_attainment']:.0%} with "
+        f"TBT p90 {co['tbt_ms']['p90']:.0f} ms and {co['failed']} requests refused",
+        f"(at {dp_rate:g} req/s {dp['slo_attainment']:.0%} within SLO, TTFT p90 {dp['ttft_ms']['p90'] / 1e3:.1f} s)",
+        f"(at {cp_rate:g} req/s {cp['slo_attainment']:.0%} within SLO, TTFT p90 of the served "
+        f"{cp['ttft_ms']['p90'] / 1e3:.1f} s, {cp['failed']} refused)",
+    ]
+    agent = "agent-linear"
+    (dp, dp_rate), (cp, cp_rate) = at(agent, "dynamo-pd:kv", "failing"), at(agent, "conductor:disaggregated", "failing")
+    (dk, dk_rate), (co, co_rate) = at(agent, "dynamo:kv", "failing"), at(agent, "conductor", "capacity")
+    assert all(key.startswith("429") for key in co["errors"])
+    decided = {}
+    for deployment in ("colocated", "disaggregated"):
+        path = folder / "like-for-like" / agent / f"decisions-{deployment}.json"
+        decided[deployment] = json.loads(path.read_text())["conductors"]["conductor-0"]
+    colocated = decided["colocated"]
+    claims += [
+        f"at {dp_rate:g} req/s {dp['slo_attainment']:.0%} within SLO, TTFT p90 {dp['ttft_ms']['p90'] / 1e3:.1f} s; "
+        f"ours at {cp_rate:g} req/s kept {cp['slo_attainment']:.0%} within SLO, TTFT p90 "
+        f"{cp['ttft_ms']['p90'] / 1e3:.1f} s, refusing {cp['failed']}",
+        f"Its hit rate was {hits(agent, 'conductor')} over its probes against {hits(agent, 'dynamo:kv')} for Dynamo",
+        f"(at {co_rate:g} req/s {co['failed']} refused in its first bisection)",
+        f"{colocated['below_best_prefix']:.0%} of its choices went to an instance holding less than the longest "
+        f"prefix, recomputing {1 - colocated['reused_tokens'] / colocated['best_tokens']:.0%} of the reusable",
+        f"(median {colocated['t_shared_ms_median'] / 1e3:.1f} s over the run)",
+        f"where copies are planned, {decided['disaggregated']['below_best_prefix']:.0%} of its choices fell below",
+        f"(at {dk_rate:g} req/s {dk['slo_attainment']:.0%} within SLO, TBT p90 {dk['tbt_ms']['p90']:.0f} ms)",
+    ]
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"README.md disagrees with like-for-like/*/routers.json: {missing}"

@@ -5,10 +5,12 @@
 A cluster that ``bench compare`` starts writes every span to ``<run>/<deployment>/traces/``; each
 ``conductor.schedule`` span carries the decision (``docs/observability.md``): the chosen instance's
 ``prefix_len``, the longest prefix any instance held (``best_len``), the predicted T_queue, the decode time the
-prompt shares on a colocated instance (``t_shared``) and the predicted TTFT. This sums them over the run: how
-often the Conductor chose an instance holding less than the longest prefix, how many prompt tokens that
-recomputed, and what the queue and shared-time terms it weighed were, so that a deployment that trails can
-be read from its own decisions (issue 29). Rejected requests are counted apart.
+prompt shares on a colocated instance (``t_shared``) and the predicted TTFT, which the request's
+``Generate`` span's measured TTFT is set against. This sums them over the run: how often the Conductor
+chose an instance holding less than the longest prefix, how many prompt tokens that recomputed, what the
+queue and shared-time terms it weighed were, and how its TTFT predictions compared with what happened
+(actual / predicted), so that a deployment that trails can be read from its own decisions (issue 29).
+Rejected requests are counted apart.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ def summarize(trace: Path) -> dict[str, Any]:
     """The decisions of one Conductor's span file."""
     admitted: list[dict[str, Any]] = []
     rejected = 0
+    ttft_ms: dict[str, float] = {}  # request id -> the TTFT its Generate span measured
     with trace.open() as f:
         for line in f:
             span = json.loads(line)
+            if span.get("name", "").endswith("/Generate") and "kvconductor.ttft_ms" in span["attributes"]:
+                ttft_ms[span["attributes"]["kvconductor.request_id"]] = span["attributes"]["kvconductor.ttft_ms"]
             if span.get("name") != "conductor.schedule":
                 continue
             a = {k.removeprefix(PREFIX): v for k, v in span["attributes"].items() if k.startswith(PREFIX)}
@@ -43,6 +48,10 @@ def summarize(trace: Path) -> dict[str, Any]:
     if not admitted:
         raise ValueError(f"{trace}: no admitted decisions")
     short = [a for a in admitted if a["prefix_len"] < a["best_len"]]
+    ratios = sorted(ttft_ms[a["request_id"]] / a["predicted_ttft_ms"] for a in admitted
+                    if ttft_ms.get(a.get("request_id", "")) and a["predicted_ttft_ms"] > 0)  # fmt: skip
+    accuracy = {"ttft_actual_over_predicted_median": statistics.median(ratios),
+                "ttft_actual_over_predicted_p90": ratios[int(0.9 * (len(ratios) - 1))]} if ratios else {}  # fmt: skip
     return {
         "decisions": len(admitted),
         "rejected": rejected,
@@ -52,6 +61,7 @@ def summarize(trace: Path) -> dict[str, Any]:
         "t_queue_ms_median": statistics.median(a["t_queue_ms"] for a in admitted),
         "t_shared_ms_median": statistics.median(a.get("t_shared_ms", 0.0) for a in admitted),
         "predicted_ttft_ms_median": statistics.median(a["predicted_ttft_ms"] for a in admitted),
+        **accuracy,
     }
 
 

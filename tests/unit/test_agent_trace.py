@@ -39,9 +39,13 @@ def test_decisions_sums_what_the_conductor_chose_against_the_longest_prefix(tmp_
 
     (tmp_path / "traces").mkdir()
     spans = [span(512, 512), span(0, 1024), span(0, 0, rejected=True), {"name": "other", "attributes": {}}]
+    spans[0]["attributes"]["kvconductor.decision.request_id"] = "a"
+    spans.append({"name": "kvconductor.v1.Conductor/Generate",
+                  "attributes": {"kvconductor.request_id": "a", "kvconductor.ttft_ms": 150.0}})  # fmt: skip
     (tmp_path / "traces" / "conductor-0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
     assert decisions.main([str(tmp_path), "--out", str(tmp_path / "d.json")]) == 0
     got = json.loads((tmp_path / "d.json").read_text())["conductors"]["conductor-0"]
     assert (got["decisions"], got["rejected"], got["below_best_prefix"]) == (2, 1, 0.5)
     assert (got["reused_tokens"], got["best_tokens"]) == (512, 1536)
+    assert got["ttft_actual_over_predicted_median"] == 1.5  # the one request whose TTFT its span measured
     assert decisions.main([str(tmp_path / "nothing")]) == 1

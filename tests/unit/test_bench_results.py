@@ -595,6 +595,13 @@ def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_
         f"(median {colocated['t_shared_ms_median'] / 1e3:.1f} s over the run)",
         f"where copies are planned, {decided['disaggregated']['below_best_prefix']:.0%} of its choices fell below",
         f"(at {dk_rate:g} req/s {dk['slo_attainment']:.0%} within SLO, TBT p90 {dk['tbt_ms']['p90']:.0f} ms)",
+        "predicted median {:.2f} (p90 {:.2f}) colocated, {:.2f} (p90 {:.2f}) on 12P+4D".format(
+            *(
+                decided[d][f"ttft_actual_over_predicted_{q}"]
+                for d in ("colocated", "disaggregated")
+                for q in ("median", "p90")
+            )
+        ),
     ]
     missing = [c for c in claims if c not in flat]
     assert not missing, f"README.md disagrees with like-for-like/*/routers.json: {missing}"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare.cluster import disaggregated
+from bench.compare.cluster import split
 from bench.compare.peers import DYNAMO_PYTHON, HOST, ROUTER_STOP_TIMEOUT_S
 from cli.local_cluster import REPO, stop
 from scheduler.profiles import named_profile
@@ -58,7 +58,7 @@ def engine_counts(args: argparse.Namespace, deployment: str) -> dict[str, int]:
     (the split of ``conductor:disaggregated``)."""
     if deployment == "dynamo":
         return {"agg": args.workers}
-    prefill, decode = (int(o.partition("=")[2]) for o in disaggregated(args.workers, args.prefill_workers)[:2])
+    prefill, decode = split(args.workers, args.prefill_workers)
     return {"prefill": prefill, "decode": decode}
 
 

@@ -44,7 +44,7 @@ def test_refit_moves_the_models_towards_measured_steps():
                         + TRUE_PREFILL.c2 * (attention_work(200, 0) + attention_work(100, 300)))  # fmt: skip
         for b, context in ((2, 150), (6, 150), (3, 900)):  # decode steps: one token per sequence
             refiner.observe([(1, context)] * b, TRUE_DECODE.predict(b, b * (context + 1)))
-    refiner.observe([(1, 150), (64, 0)], 1.0)  # a mixed step fits neither model
+    refiner.observe([(1, 150)] * 8 + [(2, 0)], 1.0)  # decode-heavy: its prompt chunk's share is not a sample
     refined = refiner.refit()
     assert refined is not None
     prefill, decode = refined
@@ -55,6 +55,27 @@ def test_refit_moves_the_models_towards_measured_steps():
     assert abs(decode.predict(4, 600) - TRUE_DECODE.predict(4, 600)) < abs(
         before_decode.predict(4, 600) - TRUE_DECODE.predict(4, 600)
     )
+
+
+def test_a_colocated_worker_learns_its_prefill_model_from_mixed_steps():
+    # Under load every prompt chunk of a colocated worker shares its step with decode rows; between prompts
+    # it only decodes. The start-up profile says the machine is 30% faster than it is: the mixed steps must
+    # correct the prefill model, once the decode steps have corrected the decode model (refit every round).
+    clock = Clock()
+    refiner = _refiner(speedup=1.3, clock=clock)
+    before, _ = refiner.fit()
+    rows = [(1, 400)] * 6
+    decode_s = TRUE_DECODE.predict(len(rows), sum(c + 1 for _, c in rows))
+    for _ in range(30):
+        for n in PROMPTS:
+            refiner.observe(rows, decode_s)
+            refiner.observe([*rows, (n, 0)], TRUE_PREFILL.predict(n) + decode_s)
+            clock.now += 0.1
+        refiner.fit()
+    after, _ = refiner.fit()
+    chunk_heavy = PROMPTS[1:]  # a 32-token chunk takes less of its step than the decode rows: not a sample
+    assert all(abs(after.predict(n) / TRUE_PREFILL.predict(n) - 1) < 0.05 for n in chunk_heavy)
+    assert _error(before) > 0.2
 
 
 def test_without_fresh_steps_the_models_return_to_the_profile():

@@ -1,7 +1,12 @@
 """Online refinement of a worker's cost models from the engine steps it times.
 
 A step is a prefill sample when it only computes prompt chunks and a decode sample when it only decodes
-(one new token per sequence); the mixed steps of a colocated worker fit neither model and are skipped.
+(one new token per sequence). A mixed step (a colocated worker's prompt chunk beside its decode rows)
+becomes a prefill sample of its chunks with the decode rows' time, as the last fitted decode model
+predicts it, taken off, when the chunks take at least ``MIXED_PREFILL_SHARE`` of the step: under load
+nearly every prefill step of a colocated worker is mixed, and its prefill model must learn from them (the
+Conductor's T_queue on colocated instances rests on it). Decode-heavy mixed steps are skipped: their
+prefill part would be mostly the decode model's error.
 The models follow the machine both ways, by these rules (docs/design.md, "Cost models", repeats them):
 
 * **Window.** Only steps measured in the last ``HORIZON_S`` seconds count, at most ``WINDOW`` of each
@@ -45,6 +50,7 @@ OUTLIER_MADS = 4.0
 OUTLIER_FLOOR = 0.25  # relative residuals within +-25% of the median are never outliers
 MIN_SECONDS = 1e-4  # relative weights of near-zero timings are capped
 REWEIGHTS = 3  # reweighting passes of the relative fit
+MIXED_PREFILL_SHARE = 0.5  # of a mixed step's time, the least its prompt chunks take to count as a prefill sample
 
 
 class CostRefiner:
@@ -62,16 +68,24 @@ class CostRefiner:
         self.decode_steps: deque[tuple[float, Sample]] = deque(maxlen=WINDOW)
         self.clock = clock
         self._stale = False  # the last fit used steps that have expired since
+        self._decode = self.profile_models()[1]  # the last fitted decode model: a mixed step's decode rows
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Record one timed engine step (called on the engine thread)."""
         if not shape or seconds <= 0:
             return
-        if all(n == 1 and c > 0 for n, c in shape):
-            self.decode_steps.append((self.clock(), (len(shape), sum(c + 1 for _, c in shape), seconds)))
-        elif all(n > 1 or c == 0 for n, c in shape):
-            new = sum(n for n, _ in shape)
-            self.prefill_steps.append((self.clock(), (new, sum(attention_work(n, c) for n, c in shape), seconds)))
+        decodes = [c for n, c in shape if n == 1 and c > 0]
+        if len(decodes) == len(shape):
+            self.decode_steps.append((self.clock(), (len(decodes), sum(c + 1 for c in decodes), seconds)))
+            return
+        chunks = [(n, c) for n, c in shape if n > 1 or c == 0]
+        if decodes:  # a mixed step: its chunks' share, if they take most of it
+            chunk_seconds = seconds - self._decode.predict(len(decodes), sum(c + 1 for c in decodes))
+            if chunk_seconds < MIXED_PREFILL_SHARE * seconds:
+                return
+            seconds = chunk_seconds
+        work = sum(attention_work(n, c) for n, c in chunks)
+        self.prefill_steps.append((self.clock(), (sum(n for n, _ in chunks), work, seconds)))
 
     def profile_models(self) -> tuple[PrefillModel, DecodeModel]:
         """The models of the start-up profile alone (what admission falls back on for an idle instance)."""
@@ -85,9 +99,10 @@ class CostRefiner:
         now = self.clock()
         self._expire(now)
         self._stale = bool(self.prefill_steps or self.decode_steps)
+        self._decode = _fit(DecodeModel.fit, _predict_decode, self.decode_profile, list(self.decode_steps), now)
         return (
             _fit(PrefillModel.fit_work, _predict_prefill, self.prefill_profile, list(self.prefill_steps), now),
-            _fit(DecodeModel.fit, _predict_decode, self.decode_profile, list(self.decode_steps), now),
+            self._decode,
         )
 
     def refit(self) -> tuple[PrefillModel, DecodeModel] | None:

@@ -17,12 +17,19 @@ computed from them:
   models say) would otherwise read a batch still decoding as gone, and the policy would pile new
   requests onto the instance whose residents it wrongly thinks have left.
 * free KV blocks: the instance's blocks minus those its bookings reserve.
+* the prefix a prefill instance *will* hold: the prompts booked there whose prefill is not done yet
+  (``queued_prefix``). The instance works first come, first served, so a request queued behind them
+  reuses their KV; the KV index learns of it only when they finish. Without this, the next turn of a
+  conversation that arrives while the previous one is still queued looks like a cache miss everywhere:
+  the Conductor predicts a full prefill behind the queue (T_queue and TTFT too long, requests refused
+  that would have met the SLO) and may send it to an idle instance that recomputes the prefix.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from scheduler.candidates import Resident
@@ -47,6 +54,7 @@ class Booking:
     expected_decode_s: float = 0.0  # expected output tokens x predicted TBT
     decode_started: float | None = None
     new_tokens: int = 0  # prompt tokens its prefill computes (the rest is reused)
+    prompt_blocks: Sequence[Hashable] = ()  # chained hashes of the prompt's full blocks (cached after its prefill)
 
     def progress(self, now: float, tokens_out: int, expected_tokens: int) -> None:
         """``tokens_out`` output tokens are out by ``now`` of the ``expected_tokens`` it is now expected to produce.
@@ -79,6 +87,7 @@ class Bookings:
         self._busy_until = 0.0
         self._pending: dict[Hashable, float] = {}  # predicted seconds of prefills not done, oldest (running) first
         self._pending_s = 0.0
+        self._queued_blocks: Counter[Hashable] = Counter()  # prompt blocks of the prefills not done
 
     def add(self, request_id: Hashable, booking: Booking) -> None:
         """Book a request; its prefill (if any) queues behind the work already booked."""
@@ -88,6 +97,7 @@ class Bookings:
             self._busy_until = max(self._busy_until, booking.assigned_at) + booking.predicted_prefill_s
             self._pending[request_id] = booking.predicted_prefill_s
             self._pending_s += booking.predicted_prefill_s
+            self._queued_blocks.update(booking.prompt_blocks)
 
     def prefill_done(self, request_id: Hashable, now: float) -> None:
         """Its prefill finished (or failed): the next in line starts now."""
@@ -95,6 +105,12 @@ class Bookings:
         if booking is None or not booking.predicted_prefill_s:
             return
         booking.predicted_prefill_s = 0.0
+        queued = self._queued_blocks
+        for h in booking.prompt_blocks:
+            if queued[h] > 1:
+                queued[h] -= 1
+            else:
+                del queued[h]
         self._pending_s -= self._pending.pop(request_id, 0.0)
         if not self._pending:
             self._pending_s = 0.0  # no rounding left over once the queue is empty
@@ -113,6 +129,18 @@ class Bookings:
             return max(0.0, self._busy_until - now)
         behind = self._pending_s - next(iter(self._pending.values()), 0.0)  # waiting behind the running one
         return max(0.0, self._busy_until - now, behind)
+
+    def queued_prefix(self, block_hashes: Sequence[Hashable]) -> int:
+        """Leading blocks of a prompt (its chained hashes) that a prefill booked here and not done computes."""
+        queued = self._queued_blocks
+        if not queued:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in queued:
+                break
+            n += 1
+        return n
 
     def in_prefill(self) -> tuple[int, int]:
         """(requests whose prefill is still queued or running, the tokens they have left to compute)."""

@@ -31,7 +31,7 @@ class PrefillCandidate:
     """A prefill (or colocated) instance as the Conductor sees it for one request."""
 
     instance_id: str
-    prefix_len: int  # prompt tokens whose KV this instance holds (whole blocks)
+    prefix_len: int  # prompt tokens whose KV this instance holds (whole blocks) when the request runs there
     t_queue: float  # seconds of prefill work queued ahead of the request
     model: PrefillModel
     chunk_tokens: int = 0  # prefill chunk; KV of earlier chunks streams out during later ones (0 = no streaming)
@@ -44,6 +44,14 @@ class PrefillCandidate:
     in_flight: int = 0  # requests whose prefill is queued or running here (the peers' rules count them)
     queued_new_tokens: int = 0  # tokens still to compute for them
     exports_kv: bool = True  # peers can copy its cached blocks (False for vLLM, whose pool is inside EngineCore)
+    # Of prefix_len, the tokens cached now (a peer can copy them); the rest is computed by prefills queued
+    # here (``Bookings.queued_prefix``). None: all of prefix_len is cached.
+    cached_len: int | None = None
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens cached here now: what a copy from this instance can take."""
+        return self.prefix_len if self.cached_len is None else self.cached_len
 
     def t_prefill(self, new_tokens: int, cached_tokens: int) -> float:
         """Predicted prefill time here, including the decode steps it shares on a colocated instance."""

@@ -42,18 +42,22 @@ class ConductorCore:
         slo: Slo,
         colocated: bool,
         store: CopySource | None = None,
+        block_hashes: Sequence[Hashable] = (),
     ) -> Plan | Rejection:
         """Algorithm 1 over the instances as they are now.
 
-        ``prefix_lens``: cached tokens per instance; ``store``: what the Mooncake Store holds of the prompt.
+        ``prefix_lens``: cached tokens per instance; ``store``: what the Mooncake Store holds of the prompt;
+        ``block_hashes``: the prompt's chained hashes of ``shape.block_size``-token blocks, matched against the
+        prompts queued on each instance (the prefix it will hold when the request runs there).
         """
+        hashes, bs = block_hashes, shape.block_size
         if colocated:  # the same instances in both roles: their decode batch computed once each
             batches = {d.instance_id: d.residents(now) for d in decodes}
-            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, batches[p.instance_id])
+            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, batches[p.instance_id], hashes, bs)
                        for p in prefills]  # fmt: skip
             decode = [d.decode_candidate(now, batches[d.instance_id]) for d in decodes]
         else:
-            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now) for p in prefills]
+            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, None, hashes, bs) for p in prefills]
             decode = [d.decode_candidate(now) for d in decodes]
         return self.policy.schedule(
             prefill,
@@ -67,13 +71,16 @@ class ConductorCore:
 
     @staticmethod
     def book(now: float, request_id: Hashable, plan: Plan, shape: RequestShape, p: InstanceState,
-             d: InstanceState) -> None:  # fmt: skip
+             d: InstanceState, block_hashes: Sequence[Hashable] = ()) -> None:  # fmt: skip
         """Book the request's prefill work on p and its decode footprint (blocks, batch slot) on d.
 
         The decode footprint lasts ``shape.output_tokens`` (from ``expected_output_tokens``) x the plan's TBT.
+        ``block_hashes``: the prompt's full blocks, which p holds once the prefill is done (``decide`` counts
+        them for the requests queued behind it).
         """
         n, e, expected_tokens = shape.num_prompt_tokens, plan.prefill, shape.output_tokens
-        p.prefilling.add(request_id, Booking(now, e.t_prefill, n, 0, new_tokens=n - e.prefix_len))
+        full = block_hashes[: n // shape.block_size]
+        p.prefilling.add(request_id, Booking(now, e.t_prefill, n, 0, new_tokens=n - e.prefix_len, prompt_blocks=full))
         d.decoding.add(request_id, Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt))
 
     def expected_output_tokens(self, max_tokens: int, fixed: bool = False, produced: int = 0) -> int:

@@ -7,6 +7,7 @@ cannot disagree about what an instance looks like.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.booking import Bookings
@@ -47,12 +48,23 @@ class InstanceState:
         return self.prefilling.t_queue(now) + self.foreign_prefilling.t_queue(now)
 
     def prefill_candidate(
-        self, prefix_len: int, now: float, residents: tuple[Resident, ...] | None = None
+        self,
+        prefix_len: int,
+        now: float,
+        residents: tuple[Resident, ...] | None = None,
+        block_hashes: Sequence[Hashable] = (),
+        block_size: int = 0,
     ) -> PrefillCandidate:
-        """The instance as a prefill candidate for a request of which it holds ``prefix_len`` tokens.
+        """The instance as a prefill candidate for a request of which it caches ``prefix_len`` tokens.
 
-        ``residents``: ``self.residents(now)`` when the caller has it already (a colocated instance's two roles).
+        ``block_hashes`` (the prompt's chained block hashes, of ``block_size`` tokens): the prefix grows to
+        what the prefills queued here compute first (``Bookings.queued_prefix``). ``residents``:
+        ``self.residents(now)`` when the caller has it already (a colocated instance's two roles).
         """
+        cached = prefix_len
+        if block_hashes:
+            prefix_len = max(prefix_len, self.prefilling.queued_prefix(block_hashes) * block_size)
+        cached_len = None if prefix_len == cached else cached
         t_queue = self.t_queue(now)
         profile = self.profile[0] if self.profile else None
         own, foreign = self.prefilling.in_prefill(), self.foreign_prefilling.in_prefill()
@@ -62,7 +74,7 @@ class InstanceState:
             return PrefillCandidate(
                 self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=self.chunk_tokens,
                 idle=idle, profile=profile, in_flight=in_flight, queued_new_tokens=queued,
-                exports_kv=self.exports_kv,
+                exports_kv=self.exports_kv, cached_len=cached_len,
             )  # fmt: skip
         if residents is None:
             residents = self.residents(now)
@@ -71,7 +83,7 @@ class InstanceState:
         return PrefillCandidate(
             self.instance_id, prefix_len, t_queue, self.prefill_model, decode_step_s=step,
             step_tokens=self.chunk_tokens, idle=idle and not residents, profile=profile,
-            in_flight=in_flight, queued_new_tokens=queued, exports_kv=self.exports_kv,
+            in_flight=in_flight, queued_new_tokens=queued, exports_kv=self.exports_kv, cached_len=cached_len,
         )  # fmt: skip
 
     def decode_candidate(self, now: float, residents: tuple[Resident, ...] | None = None) -> DecodeCandidate:

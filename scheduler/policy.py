@@ -150,15 +150,18 @@ class ConductorPolicy:
         if not prefills:
             return Rejection(f"no instance is available with {request.num_blocks} free KV blocks and a free slot")
         # The holder of the longest usable prefix, ties to the greatest id (usable_prefix is monotonic: one pass of
-        # plain ints, then the ties, instead of a key call per candidate)
-        longest = request.usable_prefix(max(p.prefix_len for p in prefills))
-        best = max((p for p in prefills if request.usable_prefix(p.prefix_len) == longest), key=_instance_id)
-        holders = [CopySource(best.instance_id, best.prefix_len)]
+        # plain ints, then the ties, instead of a key call per candidate); a copy reads what is cached now, so its
+        # source is the holder of the longest cached prefix (the same instance unless prompts queued elsewhere
+        # will leave a longer one).
+        best = _longest(prefills, request, attrgetter("prefix_len"))
+        held = best if best.cached_len is None else _longest(prefills, request, attrgetter("cached"))
+        holders = [CopySource(held.instance_id, held.cached)]
         if store is not None and store.prefix_len > 0:
             holders.append(store)
-        top = max(holders, key=lambda s: (request.usable_prefix(s.prefix_len), s is not store))  # ties: the instance
+        candidates = [CopySource(best.instance_id, best.prefix_len), *holders[1:]]
+        top = max(candidates, key=lambda s: (request.usable_prefix(s.prefix_len), s is not store))  # ties: the instance
         best_len, best_instance = request.usable_prefix(top.prefix_len), top.instance_id
-        sources = [s for s in holders if s is store or best.exports_kv]
+        sources = [s for s in holders if s is store or held.exports_kv]
         can_copy = links is not None and self.rule.copies
         estimates = tuple(self._estimate(p, sources if can_copy else [], request, links) for p in prefills)
         if colocated:
@@ -241,6 +244,12 @@ class ConductorPolicy:
             f"prefill {e.instance_id} by {rule}; it reuses {e.prefix_len} tokens and {how}; "
             f"decode {plan.decode_instance} has the lowest predicted TBT {when} ({plan.tbt * 1e3:.1f} ms)"
         )
+
+
+def _longest(prefills: Sequence[PrefillCandidate], request: RequestShape, length: attrgetter[int]) -> PrefillCandidate:
+    """The candidate with the longest usable ``length``, ties to the greatest id."""
+    longest = request.usable_prefix(max(length(p) for p in prefills))
+    return max((p for p in prefills if request.usable_prefix(length(p)) == longest), key=_instance_id)
 
 
 def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at: float) -> tuple[str, float] | None:

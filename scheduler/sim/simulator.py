@@ -224,7 +224,7 @@ class Simulator:
         self.policy_calls += 1
         return self.core.decide(
             now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo,
-            self.config.colocated, store,
+            self.config.colocated, store, request.full_blocks,
         )  # fmt: skip
 
     def _book(self, now: float, request: TraceRequest, record: RequestRecord, shape: RequestShape, plan: Plan) -> None:
@@ -234,11 +234,11 @@ class Simulator:
         job = PrefillJob(request, record, shape, now, e.prefix_len, e.copy_from, plan.decode_instance)
         decode = self._decode_by_id[plan.decode_instance]
         if self.config.colocated:  # the policy made the decode instance the prefill instance
-            self.core.book(now, record.request_id, plan, shape, decode.state, decode.state)
+            self.core.book(now, record.request_id, plan, shape, decode.state, decode.state, request.full_blocks)
             decode.submit(job)
             return
         p = self._prefill_index[e.instance_id]
-        self.core.book(now, record.request_id, plan, shape, self.prefills[p].state, decode.state)
+        self.core.book(now, record.request_id, plan, shape, self.prefills[p].state, decode.state, request.full_blocks)
         end = self.prefills[p].submit(job, now)
         if end is not None:
             self._push(end, _PREFILL_DONE, p)

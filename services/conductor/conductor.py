@@ -349,8 +349,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         with metrics.STAGE.labels("decide").time():
             shape = self._shape(job, prefills[0].record)
             outcome = self.core.decide(
-                now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store
-            )
+                now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store,
+                job.attempt_hashes(shape.block_size),
+            )  # fmt: skip
             job.decision = DecisionRecord(job.request_id, self.core.policy.config.policy, outcome, job.label)
             self.decisions.record(job.decision)
         return outcome
@@ -378,7 +379,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Book the request's prefill work on p and its decode footprint on d."""
         with metrics.STAGE.labels("book").time():
             shape = self._shape(job, p.record)
-            self.core.book(time.monotonic(), job.request_id, plan, shape, p.state, d.state)
+            self.core.book(time.monotonic(), job.request_id, plan, shape, p.state, d.state,
+                           job.attempt_hashes(shape.block_size))  # fmt: skip
 
     def _progress(self, job: Job, d: InstanceView, tokens_out: int, max_tokens: int) -> None:
         """``tokens_out`` of this attempt's ``max_tokens`` are out of d: its booking ends at their measured pace."""

@@ -12,9 +12,11 @@ import random
 
 import pytest
 
+from scheduler.candidates import RequestShape, Slo
 from scheduler.core import ConductorCore
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
-from scheduler.policy import ConductorPolicy, Plan, Rejection
+from scheduler.instance import InstanceState
+from scheduler.policy import ConductorPolicy, Plan, PolicyConfig, Rejection
 from scheduler.profiles import Profile
 from scheduler.sim.simulator import SimConfig, Simulator
 from scheduler.sim.trace import TraceRequest, block_hash
@@ -53,15 +55,15 @@ class Recorder:
     def __init__(self, core):
         self.core, self.calls = core, []
 
-    def decide(self, now, shape, prefix, prefills, decodes, slo, colocated, store=None):
-        outcome = self.core.decide(now, shape, prefix, prefills, decodes, slo, colocated, store)
+    def decide(self, now, shape, prefix, prefills, decodes, slo, colocated, store=None, hashes=()):
+        outcome = self.core.decide(now, shape, prefix, prefills, decodes, slo, colocated, store, hashes)
         ids = ([p.instance_id for p in prefills], [d.instance_id for d in decodes])
-        self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, store, outcome))
+        self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, store, hashes, outcome))
         return outcome
 
-    def book(self, now, rid, plan, shape, p, d):
-        self.calls.append(("book", now, rid, plan, shape, p.instance_id, d.instance_id))
-        self.core.book(now, rid, plan, shape, p, d)
+    def book(self, now, rid, plan, shape, p, d, hashes=()):
+        self.calls.append(("book", now, rid, plan, shape, p.instance_id, d.instance_id, hashes))
+        self.core.book(now, rid, plan, shape, p, d, hashes)
 
     def prefill_done(self, p, rid, now):
         self.calls.append(("prefill_done", p.instance_id, rid, now))
@@ -128,13 +130,13 @@ def test_the_live_core_replays_the_simulators_decisions(colocated):
     for call in calls:
         kind, *args = call
         if kind == "decide":
-            now, shape, prefix, (p_ids, d_ids), slo, coloc, store, outcome = args
+            now, shape, prefix, (p_ids, d_ids), slo, coloc, store, hashes, outcome = args
             prefills, decodes = [live[i] for i in p_ids], [live[i] for i in d_ids]
-            replayed = core.decide(now, shape, prefix, prefills, decodes, slo, coloc, store)
+            replayed = core.decide(now, shape, prefix, prefills, decodes, slo, coloc, store, hashes)
             assert _same(replayed, outcome), (now, replayed, outcome)
         elif kind == "book":
-            now, rid, plan, shape, p, d = args
-            core.book(now, rid, plan, shape, live[p], live[d])
+            now, rid, plan, shape, p, d, hashes = args
+            core.book(now, rid, plan, shape, live[p], live[d], hashes)
         elif kind in ("prefill_done", "decode_started"):
             instance, rid, now = args
             getattr(core, kind)(live[instance], rid, now)
@@ -143,3 +145,43 @@ def test_the_live_core_replays_the_simulators_decisions(colocated):
             core.release(rid, now, *(live[i] for i in ids))
         else:
             core.observe_completion(*args)
+
+
+def _instance(instance_id):
+    return InstanceState(instance_id, "prefill", PROFILE.prefill, PROFILE.decode, num_blocks=400, max_running=16,
+                         chunk_tokens=PROFILE.chunk_tokens)  # fmt: skip
+
+
+def test_a_prompt_queued_behind_its_prefix_is_predicted_to_reuse_it_but_never_copies_it():
+    """The next turn of a conversation arrives while the previous one is queued on p0: p0 will hold the
+    previous prompt by the time the next runs there (first come, first served), though nothing is cached yet."""
+    core = ConductorCore(ConductorPolicy(PolicyConfig(), seed=0), LinkModels(PROFILE.link))
+    p0, p1, d = _instance("p0"), _instance("p1"), _instance("d0")
+    d.role = "decode"
+    slo = Slo(60.0, 1.0, reject=False)
+    turn1 = [block_hash(h) for h in range(8)]  # 8 full blocks
+    turn2 = [*turn1, block_hash(100), block_hash(101)]
+    first_shape = RequestShape(8 * BS + 10, 10, BS, 1024)
+    first = core.decide(0.0, first_shape, {}, [p0, p1], [d], slo, False, None, turn1)
+    assert isinstance(first, Plan)
+    holder = p0 if first.prefill.instance_id == "p0" else p1
+    core.book(0.0, "turn-1", first, first_shape, holder, d, turn1)
+    other = p1 if holder is p0 else p0
+    busy_shape, busy = RequestShape(30 * BS, 31, BS, 1024), [block_hash(1000 + h) for h in range(30)]
+    core.book(0.0, "elsewhere", core.decide(0.0, busy_shape, {}, [other], [d], slo, False, None, busy), busy_shape,
+              other, d, busy)  # fmt: skip
+    shape = RequestShape(10 * BS + 10, 12, BS, 1024)
+    # The other instance caches 2 blocks of the prefix: a copy source; the holder caches none yet: not one.
+    cached = {other.instance_id: 2 * BS}
+    plan = core.decide(0.1, shape, cached, [p0, p1], [d], slo, False, None, turn2)
+    assert isinstance(plan, Plan)
+    by_id = {e.instance_id: e for e in plan.candidates}
+    assert by_id[holder.instance_id].prefix_len == 8 * BS  # the queued prompt's blocks, reused there
+    assert by_id[holder.instance_id].copy_from == ""  # what it will hold is not copied
+    assert by_id[holder.instance_id].t_prefill == pytest.approx(PROFILE.prefill.predict(2 * BS + 10, 8 * BS))
+    assert by_id[other.instance_id].prefix_len == 2 * BS
+    assert plan.prefill.instance_id == holder.instance_id and plan.best_len == 8 * BS
+    # Its prefill done, the holder's blocks are the KV index's to report: nothing is queued any more.
+    core.prefill_done(holder, "turn-1", 0.5)
+    again = core.decide(0.6, shape, cached, [p0, p1], [d], slo, False, None, turn2)
+    assert {e.instance_id: e.prefix_len for e in again.candidates}[holder.instance_id] <= 2 * BS  # at most a copy

@@ -68,7 +68,7 @@ class CostRefiner:
         self.decode_steps: deque[tuple[float, Sample]] = deque(maxlen=WINDOW)
         self.clock = clock
         self._stale = False  # the last fit used steps that have expired since
-        self._decode = self.profile_models()[1]  # the last fitted decode model: a mixed step's decode rows
+        self._decode: DecodeModel | None = None  # the last fitted decode model: a mixed step's decode rows
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Record one timed engine step (called on the engine thread)."""
@@ -79,7 +79,9 @@ class CostRefiner:
             self.decode_steps.append((self.clock(), (len(decodes), sum(c + 1 for c in decodes), seconds)))
             return
         chunks = [(n, c) for n, c in shape if n > 1 or c == 0]
-        if decodes:  # a mixed step: its chunks' share, if they take most of it
+        if decodes:  # a mixed step: its chunks' share, if they take most of it (after a first fit)
+            if self._decode is None:
+                return
             chunk_seconds = seconds - self._decode.predict(len(decodes), sum(c + 1 for c in decodes))
             if chunk_seconds < MIXED_PREFILL_SHARE * seconds:
                 return

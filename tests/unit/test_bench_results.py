@@ -588,14 +588,15 @@ def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_
         f"at {dp_rate:g} req/s {dp['slo_attainment']:.0%} within SLO, TTFT p90 {dp['ttft_ms']['p90'] / 1e3:.1f} s; "
         f"ours at {cp_rate:g} req/s kept {cp['slo_attainment']:.0%} within SLO, TTFT p90 "
         f"{cp['ttft_ms']['p90'] / 1e3:.1f} s, refusing {cp['failed']}",
-        f"Its hit rate was {hits(agent, 'conductor')} over its probes against {hits(agent, 'dynamo:kv')} for Dynamo",
-        f"(at {co_rate:g} req/s {co['failed']} refused in its first bisection)",
-        f"{colocated['below_best_prefix']:.0%} of its choices went to an instance holding less than the longest "
-        f"prefix, recomputing {1 - colocated['reused_tokens'] / colocated['best_tokens']:.0%} of the reusable",
-        f"(median {colocated['t_shared_ms_median'] / 1e3:.1f} s over the run)",
-        f"where copies are planned, {decided['disaggregated']['below_best_prefix']:.0%} of its choices fell below",
-        f"(at {dk_rate:g} req/s {dk['slo_attainment']:.0%} within SLO, TBT p90 {dk['tbt_ms']['p90']:.0f} ms)",
-        "predicted median {:.2f} (p90 {:.2f}) colocated, {:.2f} (p90 {:.2f}) on 12P+4D".format(
+        f"to {hits(agent, 'conductor')} over its probes (Dynamo aggregated {hits(agent, 'dynamo:kv')}, our split "
+        f"{hits(agent, 'conductor:disaggregated')}, Dynamo's {hits(agent, 'dynamo-pd:kv')})",
+        f"(at {co_rate:g} req/s {co['failed']} refused in its first bisection",
+        f"colocated, {colocated['below_best_prefix']:.0%} of choices went to an instance holding less than the longest "
+        f"prefix (41% before), recomputing {1 - colocated['reused_tokens'] / colocated['best_tokens']:.0%} of the "
+        "reusable prompt tokens",
+        f"(at {dk_rate:g} req/s {dk['slo_attainment']:.0%} within SLO, TBT p90 {dk['tbt_ms']['p90']:.0f} ms); ours at "
+        f"{co_rate:g} req/s kept {co['slo_attainment']:.0%} within SLO with TBT p90 {co['tbt_ms']['p90']:.0f} ms",
+        "TTFT actual / predicted median {:.2f} (p90 {:.2f}) colocated, {:.2f} (p90 {:.2f}) on 12P+4D".format(
             *(
                 decided[d][f"ttft_actual_over_predicted_{q}"]
                 for d in ("colocated", "disaggregated")

@@ -97,7 +97,7 @@ class LeastLoaded:
 
 
 class CacheAware:
-    """Longest cached prefix, then least T_queue."""
+    """Longest cached prefix (what the instance's cache holds now), then least T_queue."""
 
     copies = False
     explanation = "longest cached prefix"
@@ -105,7 +105,8 @@ class CacheAware:
     def choose(  # noqa: D102
         self, estimates: Sequence[PrefillEstimate], candidates: Sequence[PrefillCandidate], request: RequestShape
     ) -> PrefillEstimate:
-        return min(estimates, key=lambda e: (-e.prefix_len, e.t_queue, e.instance_id))
+        pairs = zip(estimates, candidates, strict=True)
+        return min(pairs, key=lambda ec: (-ec[1].cached, ec[0].t_queue, ec[0].instance_id))[0]
 
 
 class Dynamo:
@@ -125,7 +126,8 @@ class Dynamo:
 
         def cost(p: PrefillCandidate) -> float:
             queued = math.ceil(p.queued_new_tokens / request.block_size)
-            return self.prefill_load_scale * max(request_blocks + queued - p.prefix_len // request.block_size, 0)
+            # its overlap comes from the workers' KV events: blocks cached now, not those queued prompts will leave
+            return self.prefill_load_scale * max(request_blocks + queued - p.cached // request.block_size, 0)
 
         costs = [cost(p) for p in candidates]
         lowest = min(costs)
@@ -133,7 +135,10 @@ class Dynamo:
 
 
 class Sglang:
-    """SGLang router's cache-aware rule."""
+    """SGLang router's cache-aware rule.
+
+    Its approximate tree takes each prompt in when it routes it, so a queued prompt's prefix counts (``prefix_len``).
+    """
 
     copies = False
     explanation = "SGLang's cache-aware rule"

@@ -4,7 +4,8 @@
 
 A cluster that ``bench compare`` starts writes every span to ``<run>/<deployment>/traces/``; each
 ``conductor.schedule`` span carries the decision (``docs/observability.md``): the chosen instance's
-``prefix_len``, the longest prefix any instance held (``best_len``), the predicted T_queue, the decode time the
+``prefix_len``, the longest prefix any instance held (``best_len``; both count the prompts queued on an instance,
+whose prefix it holds by the time the request runs there), the predicted T_queue, the decode time the
 prompt shares on a colocated instance (``t_shared``) and the predicted TTFT, which the request's
 ``Generate`` span's measured TTFT is set against. This sums them over the run: how often the Conductor
 chose an instance holding less than the longest prefix, how many prompt tokens that recomputed, what the

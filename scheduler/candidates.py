@@ -141,6 +141,7 @@ class PrefillEstimate:
     # Colocated only: the request's decode time there plus the delay it imposes on the requests decoding
     # there (its prompt's chunks stall their steps; its place in the batch lengthens every later step).
     t_shared: float = 0.0
+    queued_tokens: int = 0  # of prefix_len, tokens that prompts queued ahead of it leave there (not cached yet)
 
     @property
     def ttft(self) -> float:
@@ -155,4 +156,4 @@ class PrefillEstimate:
     def with_shared(self, t_shared: float) -> PrefillEstimate:
         """The estimate with ``t_shared`` (``dataclasses.replace`` costs 5x more, once per candidate per request)."""
         return PrefillEstimate(self.instance_id, self.prefix_len, self.t_queue, self.t_transfer, self.t_prefill,
-                               self.t_send, self.copy_from, self.copy_tokens, t_shared)  # fmt: skip
+                               self.t_send, self.copy_from, self.copy_tokens, t_shared, self.queued_tokens)  # fmt: skip

@@ -200,7 +200,10 @@ class ConductorPolicy:
         t_send = (
             0.0 if links is None else links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, own)))
         )
-        local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.t_prefill(n - own, own), t_send)
+        cached = min(own, request.usable_prefix(p.cached))  # the rest of own is left by prompts queued ahead
+        queued = own - cached
+        local = PrefillEstimate(p.instance_id, own, p.t_queue, 0.0, p.t_prefill(n - own, own), t_send,
+                                queued_tokens=queued)  # fmt: skip
         if links is None or not p.exports_kv:
             return local
         chosen = local
@@ -213,7 +216,7 @@ class ConductorPolicy:
                 or ratio <= self.config.kv_cache_balancing_threshold
             ):
                 continue
-            copy_tokens = best_len - own
+            copy_tokens = best_len - cached  # a copy runs before the prompts queued ahead have left their blocks
             copied = replace(
                 local,
                 prefix_len=best_len,
@@ -222,6 +225,7 @@ class ConductorPolicy:
                 t_send=links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, best_len))),
                 copy_from=source.instance_id,
                 copy_tokens=copy_tokens,
+                queued_tokens=0,
             )
             if chosen is local or copied.ttft < chosen.ttft:
                 chosen = copied
@@ -237,11 +241,12 @@ class ConductorPolicy:
         )
         source = f"the Mooncake Store ({e.copy_from})" if store and e.copy_from == store.instance_id else e.copy_from
         how = f"copies {e.copy_tokens} tokens of KV from {source}" if e.copy_from else "computes locally"
+        queued = f" ({e.queued_tokens} of them from prompts queued ahead of it there)" if e.queued_tokens else ""
         shared = " plus the decode time it shares" if colocated else ""
         rule = f"{self.rule.explanation.format(shared=shared)} ({others})"
         when = "when its prefill ends" if self.config.early_rejection == "prediction" else "now"
         return (
-            f"prefill {e.instance_id} by {rule}; it reuses {e.prefix_len} tokens and {how}; "
+            f"prefill {e.instance_id} by {rule}; it reuses {e.prefix_len} tokens{queued} and {how}; "
             f"decode {plan.decode_instance} has the lowest predicted TBT {when} ({plan.tbt * 1e3:.1f} ms)"
         )
 

@@ -181,6 +181,7 @@ def test_a_prompt_queued_behind_its_prefix_is_predicted_to_reuse_it_but_never_co
     assert by_id[holder.instance_id].t_prefill == pytest.approx(PROFILE.prefill.predict(2 * BS + 10, 8 * BS))
     assert by_id[other.instance_id].prefix_len == 2 * BS
     assert plan.prefill.instance_id == holder.instance_id and plan.best_len == 8 * BS
+    assert f"reuses {8 * BS} tokens ({8 * BS} of them from prompts queued ahead of it there)" in plan.reason
     # Its prefill done, the holder's blocks are the KV index's to report: nothing is queued any more.
     core.prefill_done(holder, "turn-1", 0.5)
     again = core.decide(0.6, shape, cached, [p0, p1], [d], slo, False, None, turn2)

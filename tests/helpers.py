@@ -195,16 +195,19 @@ def worker_loads(cluster):
     return loads
 
 
-def address_of(cluster, instance_id):
+def conductor_status(cluster):
+    """The Conductor's ``GetStatus``: instances, learned links, prediction errors."""
     with grpc.insecure_channel(cluster.conductor) as channel:
-        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
-    return next(i.address for i in status.instances if i.instance_id == instance_id)
+        return conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
+
+
+def address_of(cluster, instance_id):
+    return next(i.address for i in conductor_status(cluster).instances if i.instance_id == instance_id)
 
 
 def worker_record(cluster, role):
     """The etcd record of the first worker of ``role``, as the Conductor sees it."""
-    with grpc.insecure_channel(cluster.conductor) as channel:
-        status = conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
+    status = conductor_status(cluster)
     record = InstanceRecord.from_json(json.loads(next(i.record_json for i in status.instances if i.role == role)))
     assert isinstance(record, WorkerRecord)
     return record

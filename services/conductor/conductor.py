@@ -612,9 +612,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 )
             )
         job.worker_ttft = r.prefill_seconds + r.transfer_exposed_seconds
-        if r.kv_bytes_sent:  # 0: the engine's own connector moved the KV (vLLM), untimed here
+        if r.kv_bytes_sent:  # 0: the engine's own connector moved the KV (vLLM): its pushes come below
             self.core.links.observe(p.instance_id, d.instance_id, r.kv_bytes_sent, r.transfer_seconds)
             self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
+        for push in r.kv_pushes:  # timed by the connector, to whichever decode worker: p's send link, any destination
+            self.core.links.observe(p.instance_id, "", push.bytes, push.seconds)
         if r.copy_bytes:
             self.core.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
             self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)

@@ -158,7 +158,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> prefill_pb2.PrefillResponse:
         """An engine with its own KV connector: compute the prompt, and the engine pushes its KV.
 
-        The decode request, queued by Reserve on the decode worker, names this worker as its KV's source.
+        The decode request, queued by Reserve on the decode worker, names this worker as its KV's source. The
+        reply carries the pushes the connector timed since the last one (earlier requests' KV, mostly: a push
+        follows its prefill), from which the Conductor learns this worker's send link.
         """
         w, rid = self.worker, request.request_id
         start = time.perf_counter()
@@ -174,6 +176,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_cached_tokens=out.num_cached_tokens,
             num_computed_tokens=len(prompt) - out.num_cached_tokens,
             prefill_seconds=time.perf_counter() - start,
+            kv_pushes=[prefill_pb2.KVPush(bytes=b, seconds=t) for b, t in w.engine.take_kv_pushes()],
         )
 
     async def _settle(self, rid: str, streamer: KVStreamer, finished: bool) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import (
     FAR_SLOS,
+    conductor_status,
     grpc_generate,
     kill_decode_worker_mid_stream,
     kvmeta_matches,
@@ -109,6 +110,10 @@ def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_h
     # by the worker; a push is reported at the sender's next engine step, and each one stepped again since).
     loads = worker_loads(vllm_cluster)
     assert all(loads[i].kv_bytes_sent > 0 and loads[i].kv_blocks_sent > 0 for i in (holder_a, holder_b))
+    # Each prefill reply carries the pushes the connector timed since the last one: the Conductor learns each
+    # prefill worker's send link from them (any destination: the connector names none).
+    learned = {link.source: link.samples for link in conductor_status(vllm_cluster).links if not link.destination}
+    assert all(learned.get(i, 0) > 0 for i in (holder_a, holder_b)), learned
 
 
 def test_kill_9_of_a_vllm_decode_worker_mid_stream_resumes_with_identical_output(vllm_cluster):

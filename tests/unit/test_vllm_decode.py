@@ -95,3 +95,25 @@ async def test_a_reservation_beyond_the_free_blocks_is_refused_and_a_finished_on
     await engine.abort("a")  # released, or its decode ended
     assert "a" in llm.aborted and engine.num_free_blocks == 2  # the pool's own count is the fewer now
     assert await reserve("d", 17, 15) == ([], 2)  # until vLLM's next step frees a's blocks, still the pool's 2
+
+
+def _step(bytes_transferred=(), transfer_duration=()):
+    """A ``SchedulerStats`` as the stat logger passes it: one step, with the connector's timed pushes."""
+    from types import SimpleNamespace
+
+    connector = {"bytes_transferred": list(bytes_transferred), "transfer_duration": list(transfer_duration)}
+    return SimpleNamespace(num_waiting_reqs=0, num_running_reqs=1, kv_cache_usage=0.1, kv_connector_stats=connector,
+                           prefix_cache_stats=SimpleNamespace(queries=0, hits=0), iteration_details=None)  # fmt: skip
+
+
+def test_the_connectors_timed_pushes_go_out_with_the_next_prefill_reply_once():
+    sent: list[tuple[int, int]] = []
+    layout = KVLayout(block_size=16, num_blocks=8, bytes_per_block=1024, base_address=0, num_layers=1,
+                      num_kv_heads=1, head_dim=8, dtype="float32", max_model_len=256, vocab_size=256)  # fmt: skip
+    engine = VllmEngine(_Llm(), layout, "prefill", count_sent=lambda blocks, n: sent.append((blocks, n)))
+    engine.observe_step(_step((4096, 2048), (0.004, 0.002)))
+    engine.observe_step(_step())
+    engine.observe_step(_step((1024,), (0.001,)))
+    assert engine.take_kv_pushes() == [(4096, 0.004), (2048, 0.002), (1024, 0.001)]
+    assert engine.take_kv_pushes() == []  # each push is reported once
+    assert sent == [(6, 6144), (1, 1024)]  # and counted as bytes sent, as before

@@ -173,6 +173,10 @@ class BuiltinEngine:
         with contextlib.suppress(EngineDied):
             await asyncio.shield(self._loop.call(abandon))
 
+    def take_kv_pushes(self) -> list[tuple[int, float]]:
+        """None: the worker's transfer engine moves this engine's KV, and times each write itself."""
+        return []
+
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         """Blocks stored and block hashes removed since the last call."""
         return await self._loop.call_now(lambda e: e.pop_kv_events())

@@ -171,6 +171,12 @@ class EnginePort(Protocol):
     async def abandon_import(self, imported: ImportedBlocks) -> None:
         """Give back a KV copy's blocks when its request will not run (copied ones stay cached)."""
 
+    def take_kv_pushes(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each KV push the engine's own connector timed since the last call.
+
+        ``[]`` unless ``moves_kv_itself``: the worker's transfer engine times the others' writes.
+        """
+
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         """(blocks stored, hashes of blocks removed) since the last call."""
 

@@ -36,6 +36,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 CONNECTOR = "CpuMooncakeConnector"
 CONNECTOR_MODULE = "services.worker.engines.vllm_connector"
+PUSH_WINDOW = 64  # timed connector pushes kept for the next prefill response (the latest, when none goes out)
 
 
 def diverged(request_id: str, decoded: int, prefilled: int) -> RpcError:
@@ -89,6 +91,7 @@ class VllmEngine:
         self.role = role
         self.refiner = refiner
         self.count_sent = count_sent  # (blocks, bytes) the connector wrote to decode workers
+        self._pushes: deque[tuple[int, float]] = deque(maxlen=PUSH_WINDOW)  # (bytes, seconds) not yet reported
         self.events = KVEventTranslator(layout.block_size)
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
@@ -308,6 +311,11 @@ class VllmEngine:
     async def abandon_import(self, imported: ImportedBlocks) -> None:
         """Nothing was imported."""
 
+    def take_kv_pushes(self) -> list[tuple[int, float]]:
+        """The connector's timed pushes since the last call (the prefill worker's next response carries them)."""
+        pushes, self._pushes = list(self._pushes), deque(maxlen=PUSH_WINDOW)
+        return pushes
+
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         """Blocks stored and block hashes removed (ours) since the last call."""
         return self.events.pop()
@@ -336,7 +344,9 @@ class VllmEngine:
         """A vLLM step's stats (called by the stat logger on the event loop)."""
         self.stats.update(scheduler_stats)
         connector = getattr(scheduler_stats, "kv_connector_stats", None) or {}
-        sent = int(sum(connector.get("bytes_transferred", ())))  # the MooncakeConnector's pushes since last step
+        pushed = list(zip(connector.get("bytes_transferred", ()), connector.get("transfer_duration", ()), strict=False))
+        self._pushes.extend((int(b), float(t)) for b, t in pushed if b > 0 and t > 0)  # the MooncakeConnector's, timed
+        sent = int(sum(b for b, _ in pushed))
         if sent and self.count_sent is not None:
             self.count_sent(round(sent / self.layout.bytes_per_block), sent)
         details = getattr(scheduler_stats, "iteration_details", None)

@@ -106,11 +106,12 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
             print(f"  {i.instance_id}: {i.num_foreign} now; over-commit at most {i.overcommit_requests_max}/"
                   f"{i.overcommit_blocks_max}")  # fmt: skip
     if status.links:
-        print("learned KV links (T_transfer = latency + bytes / bandwidth, from measured copies):")
+        print("learned KV links (T_transfer = latency + bytes / bandwidth, from measured sends and copies):")
         for link in status.links:
             fit = (f"{link.bandwidth_gbps:.2f} Gbit/s + {link.latency_ms:.1f} ms" if link.bandwidth_gbps
                    else "too few distinct sizes to fit yet")  # fmt: skip
-            print(f"  {link.source} -> {link.destination}: {fit} (n={link.samples})")
+            to = link.destination or "any (pushes timed by the engine's connector)"
+            print(f"  {link.source} -> {to}: {fit} (n={link.samples})")
     return 0
 
 

@@ -192,22 +192,37 @@ def register_engine(snapshot: Callable[[], EngineSnapshot]) -> None:
     REGISTRY.register(EngineCollector(snapshot))
 
 
-class TransferCollector(Collector):
-    """KV bytes by direction (sent, copied_in, received), read from the transfer engine's counts."""
+class TransferCounts(Protocol):
+    """What a transfer engine counts (``services.worker.kv.transfer.TransferCounts``)."""
 
-    def __init__(self, bytes_by_direction: Callable[[], dict[str, int]]) -> None:
-        self.bytes_by_direction = bytes_by_direction
+    retries: int
+
+    def by_direction(self) -> dict[str, int]:
+        """Bytes by direction: sent, copied_in, received."""
+
+
+class TransferCollector(Collector):
+    """KV bytes by direction (sent, copied_in, received) and refused transfers tried again, from the engine's counts."""
+
+    def __init__(self, counts: Callable[[], TransferCounts]) -> None:
+        self.counts = counts
 
     def collect(self) -> Iterator[Metric]:
         """One reading."""
+        counts = self.counts()
         moved = CounterMetricFamily(
             "kvconductor_kv_transfer_bytes", "KV bytes moved by the transfer engine", labels=["direction"]
         )
-        for direction, num_bytes in self.bytes_by_direction().items():
+        for direction, num_bytes in counts.by_direction().items():
             moved.add_metric([direction], num_bytes)
         yield moved
+        yield CounterMetricFamily(
+            "kvconductor_kv_transfer_retries",
+            "Transfers the engine refused (a full TCP lane queue, a peer gone) and that were tried again",
+            value=counts.retries,
+        )
 
 
-def register_transfer(bytes_by_direction: Callable[[], dict[str, int]]) -> None:
-    """Expose a transfer engine's byte counts (called from the scrape thread)."""
-    REGISTRY.register(TransferCollector(bytes_by_direction))
+def register_transfer(counts: Callable[[], TransferCounts]) -> None:
+    """Expose a transfer engine's counts (called from the scrape thread)."""
+    REGISTRY.register(TransferCollector(counts))

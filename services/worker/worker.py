@@ -133,7 +133,7 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
         engine, refiner = builtin.build(config, role, pool_config, emulation, instance_id)
     if not engine.moves_kv_itself:
         transfer.register(engine.layout.base_address, engine.layout.nbytes)
-    metrics.register_transfer(lambda: transfer.counts().by_direction())
+    metrics.register_transfer(transfer.counts)
     prefill_model, decode_model = refiner.fit()
     log.info("%s %s: prefill model %s, decode model %s", role, instance_id, prefill_model, decode_model)
     events = KvEventPublisher(registry, instance_id)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.kv.transfer import KVTransferEngine, TransferError, coalesce
+from services.worker.kv.transfer import RETRY_BACKOFF_S, KVTransferEngine, TransferError, coalesce
 
 POOL_BYTES = 4 << 20
 BLOCK = 64 << 10
@@ -164,3 +164,34 @@ def test_write_outside_peer_registration_is_rejected(peer: Peer, local: tuple[KV
     engine, pool = local
     with pytest.raises(TransferError, match="returned"):
         engine.write_blocks(peer.endpoint, [pool.data_ptr()], [peer.base + POOL_BYTES - 4096], 2 * 4096)
+
+
+class _Refusing:
+    """The Mooncake engine, refusing the first ``refusals`` batch writes as its TCP lanes do when their queues fill."""
+
+    def __init__(self, engine: Any, refusals: int) -> None:
+        self.engine, self.refusals = engine, refusals
+
+    def batch_transfer_sync_write(self, *args: Any) -> int:
+        if self.refusals:
+            self.refusals -= 1
+            return -1
+        return self.engine.batch_transfer_sync_write(*args)
+
+
+def test_a_refused_write_is_tried_again_and_lands(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
+    engine, pool = local
+    real = engine._engine
+    pool.copy_(random_pool(3))
+    peer.fill(torch.zeros(POOL_BYTES, dtype=torch.uint8))
+    before = engine.counts().retries
+    try:
+        engine._engine = _Refusing(real, refusals=2)
+        engine.write_blocks(peer.endpoint, blocks_of(pool, [0, 1]), [peer.addr(60), peer.addr(61)], BLOCK)
+        assert torch.equal(peer.dump()[60 * BLOCK : 62 * BLOCK], pool[: 2 * BLOCK])
+        assert engine.counts().retries - before == 2
+        engine._engine = _Refusing(real, refusals=len(RETRY_BACKOFF_S) + 1)  # refused every time: it fails
+        with pytest.raises(TransferError, match=f"returned -1 \\({len(RETRY_BACKOFF_S) + 1} tries\\)"):
+            engine.write_blocks(peer.endpoint, blocks_of(pool, [0]), [peer.addr(60)], BLOCK)
+    finally:
+        engine._engine = real

@@ -41,6 +41,11 @@ from mooncake.engine import TransferEngine
 from services.worker.kv.bind_guard import confined
 
 _PROTOCOLS = ("tcp", "rdma")
+# A transfer the engine refuses is tried again after each of these waits before it fails. Mooncake's TCP
+# transport rejects writes while its lane queues are full (a machine short of CPU under many concurrent
+# transfers: "TCP lane queue-full rejection", status -1); failing such a write over to another decode
+# worker turns a busy moment into lost attempts. A peer that is gone fails all of them: 0.75 s more.
+RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
 
 
 class TransferError(RuntimeError):
@@ -91,6 +96,7 @@ class TransferCounts:
     blocks_read: int = 0
     bytes_received: int = 0
     blocks_received: int = 0
+    retries: int = 0  # transfers tried again after the engine refused them (``RETRY_BACKOFF_S``)
 
     def by_direction(self) -> dict[str, int]:
         """Bytes by the ``direction`` label of ``kvconductor_kv_transfer_bytes_total``."""
@@ -172,10 +178,18 @@ class KVTransferEngine:
         call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
         start = time.perf_counter()
         status = call(peer, srcs, dsts, lengths)
+        for wait in RETRY_BACKOFF_S:  # the same bytes to the same addresses: a partial first try is overwritten
+            if status == 0:
+                break
+            time.sleep(wait)
+            with self._lock:
+                self._counts.retries += 1
+            status = call(peer, srcs, dsts, lengths)
         seconds = time.perf_counter() - start
         if status != 0:
             raise TransferError(
                 f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} returned {status}"
+                f" ({len(RETRY_BACKOFF_S) + 1} tries)"
             )
         if self.link_floor is not None:
             time.sleep(max(0.0, self.link_floor(len(local) * length) - seconds))

@@ -612,3 +612,26 @@ def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_
     ]
     missing = [c for c in claims if c not in flat]
     assert not missing, f"README.md disagrees with like-for-like/*/routers.json: {missing}"
+
+
+def test_the_error_free_run_is_the_agent_command_without_model_error_and_the_readme_quotes_it():
+    folder = SIM.parent / "scale"
+    flat = " ".join((folder / "README.md").read_text().split())
+    off = json.loads((folder / "like-for-like" / "agent-linear-no-error" / "routers.json").read_text())
+    on = json.loads((folder / "like-for-like" / "agent-linear" / "routers.json").read_text())
+    assert off["code"] and "uncommitted" not in off["code"] and f"code {off['code']})" in flat
+    assert "profile_error" not in off["command"] and "emulation.profile_error=0.2" in on["command"]
+    assert off["command"].split("--contenders")[0] == on["command"].split("--contenders")[0]  # the same workload
+    markdown = (folder / "like-for-like" / "agent-linear-no-error" / "routers.md").read_text()
+    assert all(line in flat for line in markdown[markdown.index("| front end | bisection 1") :].strip().splitlines())
+
+    def mean(record, spec):
+        rates = [b["capacity"] for b in record["contenders"][spec]["capacity"]]
+        return sum(rates) / len(rates)
+
+    for spec, label in (("conductor", "colocated Conductor"), ("conductor:disaggregated", "split")):
+        cost = 1 - mean(on, spec) / mean(off, spec)
+        assert f"{label} {cost:.0%} ({mean(on, spec):.2f} against {mean(off, spec):.2f}" in flat
+    peers = {spec: mean(on, spec) for spec in ("dynamo:kv", "dynamo-pd:kv")}
+    assert (f"error off reads {mean(off, 'conductor') / peers['dynamo:kv']:.2f}x aggregated and "
+            f"{mean(off, 'conductor:disaggregated') / peers['dynamo-pd:kv']:.2f}x PD") in flat  # fmt: skip

@@ -111,6 +111,7 @@ class Bookings:
                 queued[h] -= 1
             else:
                 del queued[h]
+        booking.prompt_blocks = ()  # cached now (the KV index's to report); not held for the rest of the request
         self._pending_s -= self._pending.pop(request_id, 0.0)
         if not self._pending:
             self._pending_s = 0.0  # no rounding left over once the queue is empty

@@ -45,6 +45,7 @@ class Job:
     phase: str = ""  # what the current attempt waits for: "prefill", "decode" or "colocated" (watchdog, metrics)
     worker_ttft: float | None = None  # seconds the prefill worker reported for token 0 (queue included)
     label: str = ""  # the client's request id ("" = none given)
+    _resumed_hashes: tuple[int, list[bytes]] = (0, [])  # (tokens generated, hashes of prompt + them) last computed
 
     @property
     def tokens(self) -> list[int]:
@@ -86,7 +87,11 @@ class Job:
 
     def attempt_hashes(self, block_size: int) -> list[bytes]:
         """Chained block hashes of ``tokens``."""
-        return self.block_hashes if not self.generated else prefix_block_hashes(self.tokens, block_size)
+        if not self.generated:
+            return self.block_hashes
+        if self._resumed_hashes[0] != len(self.generated):  # a resumed attempt: once for its match, decision, booking
+            self._resumed_hashes = (len(self.generated), prefix_block_hashes(self.tokens, block_size))
+        return self._resumed_hashes[1]
 
 
 class WorkerFailure(Exception):

@@ -43,7 +43,7 @@ class WorkerEndpoint:
         self.conductor = conductor.ConductorServicer(
             config, self.view, load_tokenizer(config.model.path), f"{worker.instance_id}-endpoint"
         )
-        self._shared: asyncio.Task[None] | None = None
+        self._background: asyncio.Task[None] | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -56,7 +56,7 @@ class WorkerEndpoint:
         self.view.attach(asyncio.get_running_loop())
         record = self.worker.record(address, self.worker.metrics_address)
         self.view.on_event(InstanceEvent("put", self.worker.role, self.worker.instance_id, record))
-        self._shared = asyncio.create_task(self.conductor.shared.run())
+        self._background = asyncio.create_task(self.conductor.run())
         config = self.worker.config
         port = free_port()
         local = replace(
@@ -75,8 +75,8 @@ class WorkerEndpoint:
 
     def stop(self) -> None:
         """Stop the shim."""
-        if self._shared is not None:
-            self._shared.cancel()
+        if self._background is not None:
+            self._background.cancel()
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:

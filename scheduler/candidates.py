@@ -3,6 +3,10 @@
 Snapshots, taken by the live Conductor from its cluster view and by the simulator from its instances, so that
 ``scheduler.policy`` (Algorithm 1, admission) and ``scheduler.rules`` (the baselines and peers' rules) decide
 over the same values.
+
+A decision builds a candidate and an estimate per instance: those classes are plain slotted dataclasses, never
+changed once built. Frozen ones cost four times as much to build (1.8 against 0.5 us for 14 fields, here),
+which at 256 instances was a millisecond of every decision.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def exposed_tokens(num_prompt_tokens: int, reused: int, chunk_tokens: int) -> in
     return new - (new - 1) // chunk_tokens * chunk_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefillCandidate:
     """A prefill (or colocated) instance as the Conductor sees it for one request."""
 
@@ -65,7 +69,7 @@ class PrefillCandidate:
         return exposed_tokens(num_prompt_tokens, reused, self.chunk_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Resident:
     """A request on a decode instance; times in seconds relative to now."""
 
@@ -74,7 +78,7 @@ class Resident:
     context: int  # tokens it attends to
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeCandidate:
     """A decode (or colocated) instance's load."""
 
@@ -126,7 +130,7 @@ class Slo:
     ttft_overhead: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefillEstimate:
     """Algorithm 1's estimates for one prefill candidate."""
 

@@ -1,25 +1,39 @@
-"""The global KV index behind kvmeta: block hash -> instances holding it, per-instance inventories.
+"""The global KV index behind kvmeta: block hash -> the instances holding it.
 
 Block hashes are chained (block i's hash covers every token up to the end of block i), so an
 instance's prefix match is the number of leading prompt blocks it holds. ``match_prefix`` walks the
 prompt's blocks once, narrowing the set of instances still matching. Holder sets are interned
-(blocks held by the same instances share one frozenset), so a block whose holders are the previous
+(blocks held by the same instances share one sorted tuple), so a block whose holders are the previous
 block's costs one identity test: a 100k-token prompt is 6,250 blocks, and along a shared prefix the
-holders rarely change. Applying an event pays for that instead (a new set per holder change).
+holders rarely change. Applying an event pays for that instead (a new tuple per holder change).
+
+The index is one dict of bytes -> tuples of strings, and nothing else per block: Python's garbage
+collector stops tracking such a dict, so however many blocks the index holds, a collection does not walk
+them (a set of hashes per instance cost a 20 ms pause per full collection at 400k blocks, in kvmeta and in
+every Conductor's replica). What needs an instance's blocks (an instance leaving, a full resync, a
+follower's snapshot) scans the dict instead: rare events, not requests.
 
 Each instance's events carry a sequence number; a gap (or an unknown instance) means events were lost,
 and the index asks for the full inventory instead of guessing. The Mooncake Store is indexed as one
 more holder (the store service's instance id) whose entries come from every worker that puts blocks
 into it or finds them gone, so they carry no sequence (``update``).
+
+A ``follower`` callback, when set, hears every change as applied (blocks an instance gained and lost, or
+that it left): kvmeta streams them to the Conductors, whose replicas of this index match prompts in their
+own process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-EMPTY: frozenset[str] = frozenset()
+Holders = tuple[str, ...]  # sorted instance ids, interned
+EMPTY: Holders = ()
+# (instance, blocks it gained, blocks it lost, whether it left and every block of it went)
+Follower = Callable[[str, list[bytes], list[bytes], bool], None]
 
 
 @dataclass(frozen=True)
@@ -35,10 +49,11 @@ class KVIndex:
     """Which instance holds which block."""
 
     def __init__(self) -> None:
-        self._holders: dict[bytes, frozenset[str]] = {}  # every value interned in _sets
-        self._sets: dict[frozenset[str], list[Any]] = {}  # holder set -> [the shared object, blocks using it]
-        self._inventory: dict[str, set[bytes]] = {}
+        self._holders: dict[bytes, Holders] = {}  # every value interned in _sets
+        self._sets: dict[Holders, list[Any]] = {}  # holders -> [the shared tuple, blocks using it]
+        self._counts: Counter[str] = Counter()  # instance -> blocks it holds
         self._seq: dict[str, int] = {}
+        self.follower: Follower | None = None
 
     def apply(
         self, instance: str, seq: int, stored: Iterable[bytes], removed: Iterable[bytes], full: bool = False
@@ -59,34 +74,43 @@ class KVIndex:
         Only the difference is applied: blocks held before and after keep their entries throughout, so a
         prefix match never sees the instance lose blocks it still holds.
         """
-        held = self._inventory.setdefault(instance, set())
+        held = set(self.blocks(instance)) if self._counts[instance] else set()
         self.update(instance, inventory - held, held - inventory)
         self._seq[instance] = seq
 
     def update(self, instance: str, stored: Iterable[bytes], removed: Iterable[bytes]) -> None:
         """Apply a delta that carries no sequence number (the Store's entries: a set with many writers)."""
-        inventory = self._inventory.setdefault(instance, set())
-        one = frozenset((instance,))
+        holders_of = self._holders.get
+        gained: list[bytes] = []
+        lost: list[bytes] = []
         for h in removed:
-            if h in inventory:
-                inventory.discard(h)
-                self._set(h, self._holders[h] - one)
+            old = holders_of(h, EMPTY)
+            if instance in old:
+                self._set(h, tuple(i for i in old if i != instance))
+                lost.append(h)
         for h in stored:
-            if h not in inventory:
-                inventory.add(h)
-                self._set(h, self._holders.get(h, EMPTY) | one)
+            old = holders_of(h, EMPTY)
+            if instance not in old:
+                self._set(h, tuple(sorted((*old, instance))))
+                gained.append(h)
+        self._counts[instance] += len(gained) - len(lost)
+        if self.follower is not None and (gained or lost):
+            self.follower(instance, gained, lost, False)
 
     def drop_instance(self, instance: str) -> int:
         """Forget every block of an instance (its lease is gone); returns how many."""
-        inventory = self._inventory.pop(instance, set())
         self._seq.pop(instance, None)
-        one = frozenset((instance,))
-        for h in inventory:
-            self._set(h, self._holders[h] - one)
-        return len(inventory)
+        held = self._counts.pop(instance, 0)
+        if not held:
+            return 0
+        for h in self.blocks(instance):
+            self._set(h, tuple(i for i in self._holders[h] if i != instance))
+        if self.follower is not None:
+            self.follower(instance, [], [], True)
+        return held
 
-    def _set(self, h: bytes, holders: frozenset[str]) -> None:
-        """Point ``h`` at the interned copy of ``holders`` (none: forget ``h``) and release its old set."""
+    def _set(self, h: bytes, holders: Holders) -> None:
+        """Point ``h`` at the interned copy of ``holders`` (none: forget ``h``) and release its old tuple."""
         old = self._holders.pop(h, None)
         if old is not None:
             entry = self._sets[old]
@@ -98,13 +122,28 @@ class KVIndex:
             entry[1] += 1
             self._holders[h] = entry[0]
 
+    def blocks(self, instance: str) -> list[bytes]:
+        """The blocks an instance holds (a scan of the whole index)."""
+        interned = {id(held) for held in self._sets if instance in held}  # the keys are the interned tuples
+        if not interned:
+            return []
+        return [h for h, held in self._holders.items() if id(held) in interned]
+
     def num_blocks(self, instance: str) -> int:
         """Blocks indexed for an instance."""
-        return len(self._inventory.get(instance, ()))
+        return self._counts.get(instance, 0)
+
+    def inventories(self) -> list[tuple[str, list[bytes]]]:
+        """Every instance's blocks (a snapshot for a follower; one scan of the index)."""
+        blocks: dict[str, list[bytes]] = {instance: [] for instance in self.instances()}
+        for h, held in self._holders.items():
+            for instance in held:
+                blocks[instance].append(h)
+        return list(blocks.items())
 
     def instances(self) -> list[str]:
-        """Instances with an inventory."""
-        return sorted(self._inventory)
+        """Instances holding blocks."""
+        return sorted(instance for instance, n in self._counts.items() if n)
 
     def match_prefix(self, block_hashes: Sequence[bytes], instances: Iterable[str] = ()) -> PrefixMatch:
         """Each instance's count of leading blocks held, and the best one."""
@@ -120,7 +159,7 @@ class KVIndex:
             if holders is current:  # interned: the same instances as the block before, nobody dropped
                 continue
             current = holders
-            dropped = alive - holders
+            dropped = alive.difference(holders)
             if dropped:
                 matched.update(dict.fromkeys(dropped, i))
                 alive -= dropped

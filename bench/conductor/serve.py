@@ -2,8 +2,9 @@
 
 Real processes on loopback: an embedded etcd, kvmeta, one Conductor pinned to core 0, and a fleet of N stub
 colocated workers (``bench.conductor.fleet``) with the client on the other core. Each stub holds a random-length
-prefix of every base prompt in kvmeta, so the Conductor's MatchPrefix RPC and Algorithm 1 work on real
-candidates; what a request costs beyond that is the stubs' gRPC answers, which take no time of their own.
+prefix of every base prompt in kvmeta, so the Conductor's prefix match (on its replica of kvmeta's index) and
+Algorithm 1 work on real candidates; what a request costs beyond that is the stubs' gRPC answers, which take no
+time of their own.
 
 Per (instances, prompt tokens) case, ``--requests`` requests one at a time over the Conductor's gRPC API
 (token ids: tokenizing is timed on its own, below), each a base prompt with a fresh last block:
@@ -11,7 +12,7 @@ Per (instances, prompt tokens) case, ``--requests`` requests one at a time over 
 * the client's time to the first token and to the last (p50, p99): the Conductor's added latency plus two
   loopback gRPC hops;
 * the Conductor's stages from its ``kvconductor_conductor_stage_seconds`` histogram (mean ms per request:
-  hash, match = the kvmeta RPC, decide = Algorithm 1, book);
+  hash, match = on the Conductor's replica of kvmeta's index, decide = Algorithm 1, book);
 
 then, at ``--rate-tokens`` and each instance count, a closed loop of ``--concurrency`` clients for
 ``--seconds``: requests/s and streamed tokens/s the one-core Conductor sustains, its CPU utilisation and CPU

@@ -35,6 +35,7 @@ CALLERS: dict[str, frozenset[str]] = {
     "/kvconductor.v1.Colocated/": CONDUCTORS,
     "/kvconductor.v1.Worker/": CONDUCTORS | {"admin"},
     "/kvconductor.v1.KvMeta/PublishEvents": frozenset({"prefill", "colocated"}),  # decode caches no prefix
+    "/kvconductor.v1.KvMeta/Follow": CONDUCTORS | {"admin"},
     "/kvconductor.v1.KvMeta/MatchPrefix": CONDUCTORS | {"admin"},
     "/grpc.health.v1.Health/": ANY_CERTIFICATE,
     "/grpc.reflection.v1alpha.ServerReflection/": ANY_CERTIFICATE,

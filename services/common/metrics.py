@@ -43,7 +43,7 @@ STALLS = Counter(
     "kvconductor_stalls", "Requests abandoned on a worker that made no progress (by phase)", ["phase", "instance"]
 )
 # The Conductor's own time per request before the worker is called: "tokenize" (text prompts, on a thread),
-# "hash" (chained block hashes), "match" (kvmeta's MatchPrefix RPC), "decide" (Algorithm 1), "book".
+# "hash" (chained block hashes), "match" (on the replica of kvmeta's index), "decide" (Algorithm 1), "book".
 STAGE = Histogram(
     "kvconductor_conductor_stage_seconds", "The Conductor's own time per request, by stage", ["stage"],
     buckets=STAGE_BUCKETS,

@@ -1,6 +1,7 @@
 """The Conductor: the global scheduler and the public ``Generate`` API.
 
-Per request: tokenize -> chained block hashes -> kvmeta prefix match per instance -> Algorithm 1
+Per request: tokenize -> chained block hashes -> prefix match per instance (on the Conductor's replica of
+kvmeta's index, services/conductor/kv_replica.py) -> Algorithm 1
 (``scheduler.policy``) -> reserve on the decode instance -> prefill (its KV goes straight into the
 reserved blocks) -> relay token 0 and the decode stream, detokenized, with stop strings, usage and
 the decision. On the colocated path one instance does both. Cancelling the call cancels the
@@ -18,8 +19,8 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -33,8 +34,6 @@ from kvconductor.v1 import (
     conductor_pb2,
     conductor_pb2_grpc,
     decode_pb2,
-    kvmeta_pb2,
-    kvmeta_pb2_grpc,
     prefill_pb2,
     worker_pb2,
 )
@@ -54,11 +53,14 @@ from services.conductor.cluster_view import ClusterView, InstanceView
 from services.conductor.decisions import DecisionLog, DecisionRecord, decision_attributes
 from services.conductor.detokenizer import Detokenizer
 from services.conductor.job import RETRYABLE, Job, Piece, WorkerFailure, blame
+from services.conductor.kv_replica import KVReplica
 from services.conductor.limits import check_limits
 from services.conductor.prediction_errors import DEFAULT_WINDOW_S, PredictionErrors
 from services.conductor.shared_load import Overcommit, SharedLoad, booking_message
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+READ_AHEAD = 8  # messages of a worker's stream read ahead of the relay
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 OVERHEAD_CAP = 0.25  # the learned TTFT overhead is at most this share of the TTFT SLO
 
@@ -104,6 +106,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             LinkModels(TransferModel.from_gbps(config.cluster.transfer_bandwidth_gbps)),
         )
         self.shared = SharedLoad(view, conductor_id, self.core.expected_output_tokens)
+        self.kv = KVReplica(view)
         self.decisions = DecisionLog()
         self.errors = PredictionErrors()
         self.rejections: collections.Counter[str] = collections.Counter()  # by kind, since start
@@ -112,6 +115,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             "disaggregated": TtftOverhead(OVERHEAD_CAP * config.prefill.max_ttft_ms / 1e3),
             "colocated": TtftOverhead(OVERHEAD_CAP * config.colocated.max_ttft_ms / 1e3),
         }
+
+    async def run(self) -> None:
+        """Background work for as long as the Conductor serves: kvmeta's index, the other replicas' load."""
+        await asyncio.gather(self.kv.run(), self.shared.run())
 
     async def Generate(  # noqa: N802
         self, request: conductor_pb2.GenerateRequest, context: Any
@@ -291,28 +298,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise RpcError(UNAVAILABLE, "no healthy workers")
         return has_pd
 
-    async def _prefix_lens(self, job: Job, pool: list[InstanceView], store: str = "") -> dict[str, int]:
-        """Cached prefix length (tokens) per instance, and in the Store under ``store``.
-
-        Empty when no kvmeta replica can answer (cache-unaware).
-        """
-        hashes = job.attempt_hashes(self.view.block_size())
-        if not hashes:
-            return {}
-        ids = [v.instance_id for v in pool] + ([store] if store else [])
-        request = kvmeta_pb2.MatchPrefixRequest(block_hashes=hashes, instance_ids=ids)
-        for address, kvmeta in self.view.kvmetas:  # the next replica when one does not answer
-            try:
-                response = await kvmeta_pb2_grpc.KvMetaStub(kvmeta).MatchPrefix(request, timeout=1.0)
-                break
-            except grpc.aio.AioRpcError as e:
-                log.warning("kvmeta at %s unavailable (%s)", address, e.code().name)
-                self.view.kvmeta_failed(address)
-        else:
-            log.warning("no kvmeta answered: scheduling without prefix matches")
-            return {}
+    def _prefix_lens(self, job: Job, pool: list[InstanceView], store: str = "") -> dict[str, int]:
+        """Cached prefix length (tokens) per instance, and in the Store under ``store``, from the KV index replica."""
         block_size = self.view.block_size()
-        return {m.instance_id: m.prefix_blocks * block_size for m in response.matches}
+        ids = [v.instance_id for v in pool] + ([store] if store else [])
+        return {i: n * block_size for i, n in self.kv.match(job.attempt_hashes(block_size), ids).items()}
 
     async def _plan(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan:
         """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
@@ -335,7 +325,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         colocated = prefills is decodes
         store_id = self.view.store.instance_id if self.view.store is not None and not colocated else ""
         with metrics.STAGE.labels("match").time():
-            prefix = await self._prefix_lens(job, prefills, store_id)
+            prefix = self._prefix_lens(job, prefills, store_id)
         store = CopySource(store_id, prefix.pop(store_id)) if store_id in prefix else None
         now = time.monotonic()
         ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
@@ -484,36 +474,48 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     ) -> AsyncIterator[Any]:
         """A worker's stream under the progress watchdog (``_unless_stalled``) for each message.
 
-        ``first_s`` and ``next_s`` are the predicted times to the first message and between later ones.
+        ``first_s`` and ``next_s`` are the predicted times to the first message and between later ones. One
+        task reads the stream a few messages ahead (``_read_ahead``); a message already read is taken without
+        waiting, so the watchdog costs a timer only when the Conductor has to wait (a task and an
+        ``asyncio.wait`` per message cost more than relaying it).
         """
-        messages = aiter(call)
-        bound = self._stall_bound(first_s)
-        while True:
-            try:
-                message = await self._unless_stalled(asyncio.ensure_future(anext(messages)), view, phase, bound)
-            except StopAsyncIteration:
-                return
-            yield message
-            bound = self._stall_bound(next_s)
+        ahead: asyncio.Queue[Any] = asyncio.Queue(READ_AHEAD)
+        reader = asyncio.ensure_future(_read_ahead(call, ahead))
+        try:
+            bound = self._stall_bound(first_s)
+            while True:
+                item = (
+                    ahead.get_nowait()
+                    if not ahead.empty()
+                    else await self._unless_stalled(ahead.get, view, phase, bound)
+                )
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+                bound = self._stall_bound(next_s)
+        finally:
+            reader.cancel()
 
-    async def _unless_stalled(self, pending: asyncio.Future[Any], view: InstanceView, phase: str, bound: float) -> Any:
-        """``pending``'s result, unless the worker stalls: the progress watchdog.
+    async def _unless_stalled(self, wait: Callable[[], Awaitable[T]], view: InstanceView, phase: str,
+                              bound: float) -> T:  # fmt: skip
+        """What ``wait()`` returns, unless the worker stalls: the progress watchdog.
 
-        After each ``bound`` seconds without the result, the worker's engine must have turned within them (its
+        After each ``bound`` seconds without it, the worker's engine must have turned within them (its
         heartbeat, from ``GetLoad``): a busy engine (a long prompt on a loaded machine, the requests queued ahead)
-        keeps the request, for ``stall_factor`` bounds at most; a frozen or unreachable one loses it.
+        keeps the request, for ``stall_factor`` bounds at most; a frozen or unreachable one loses it. ``wait``
+        is called again after each bound, so it must be safe to cancel (a queue's ``get``, a shielded future).
         """
         rounds = math.ceil(self.config.scheduler.stall_factor)
-        try:
-            for left in range(rounds - 1, -1, -1):
-                done, _ = await asyncio.wait({pending}, timeout=bound)
-                if done:
-                    return pending.result()
+        for left in range(rounds - 1, -1, -1):
+            try:
+                async with asyncio.timeout(bound):
+                    return await wait()
+            except TimeoutError:
                 if not left or not await self._engine_turned(view, bound):  # no heartbeat to ask after the last
                     break
-            raise self._stalled(view.instance_id, phase, bound)
-        finally:
-            pending.cancel()  # a no-op once done
+        raise self._stalled(view.instance_id, phase, bound)
 
     async def _engine_turned(self, view: InstanceView, within_s: float) -> bool:
         """Whether the worker's engine loop turned in the last ``within_s`` seconds."""
@@ -561,10 +563,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 request.copy_source.CopyFrom(source)
                 request.copy_num_blocks = plan.prefill.prefix_len // self.view.block_size()
             # A failed write into d's blocks is d's (or the link's) failure, not p's.
-            call = p.prefill_stub.Prefill(request, timeout=prefill_deadline)
-            response: prefill_pb2.PrefillResponse = await self._unless_stalled(
-                asyncio.ensure_future(call), p, "prefill", bound
-            )
+            pending = asyncio.ensure_future(p.prefill_stub.Prefill(request, timeout=prefill_deadline))
+            try:
+                response = await self._unless_stalled(lambda: asyncio.shield(pending), p, "prefill", bound)
+            finally:
+                pending.cancel()  # a no-op once done
         except grpc.aio.AioRpcError as e:
             self._release_reservation(job, d)
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the watchdog's deadline
@@ -722,6 +725,25 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if job.decision is not None:
             job.decision.observed.ttft_ms, job.decision.observed.tbt_ms = ttft * 1e3, tbt * 1e3
         self.core.observe_completion(completion_tokens)
+
+
+class _Failed(NamedTuple):
+    """The error that ended a worker's stream, passed from its reader to the request's task."""
+
+    error: Exception
+
+
+_END = object()  # the worker's stream ended
+
+
+async def _read_ahead(call: AsyncIterator[Any], ahead: asyncio.Queue[Any]) -> None:
+    """Read a worker's stream into ``ahead`` (bounded: the worker's flow control holds the rest), then _END."""
+    try:
+        async for message in call:
+            await ahead.put(message)
+        await ahead.put(_END)
+    except Exception as e:  # noqa: BLE001 - handed to the request's task, which raises it
+        await ahead.put(_Failed(e))
 
 
 def _check_sampling(sampling: common_pb2.SamplingParams) -> None:

@@ -21,7 +21,7 @@ async def run(config: Config, instance_id: str) -> None:
     servicer = conductor.ConductorServicer(config, view, load_tokenizer(config.model.path), instance_id)
     host, _, port = config.cluster.scheduler_endpoint.rpartition(":")
     watch = asyncio.create_task(view.watch_suspects())
-    shared = asyncio.create_task(servicer.shared.run())  # the other replicas' load, from the workers
+    background = asyncio.create_task(servicer.run())  # kvmeta's index; the other replicas' load
     await serve(
         conductor.services(servicer), host, int(port), registry=registry, role="conductor",
         instance_id=instance_id, metrics_port=config.telemetry.metrics_port,
@@ -29,4 +29,4 @@ async def run(config: Config, instance_id: str) -> None:
         api_keys=config.gateway.api_keys, public=True,  # the public API takes the REST shim's keys
     )  # fmt: skip
     watch.cancel()
-    shared.cancel()
+    background.cancel()

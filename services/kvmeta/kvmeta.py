@@ -13,12 +13,15 @@ Invariants:
   instance goes with it: its blocks, its sequence number, a half-received chunked resync.
 * A full inventory too large for one message comes in chunks (services/kvmeta/resync.py): while they
   arrive the instance's entries only grow, and at the last chunk they become exactly the inventory.
+* Conductors follow the index (services/kvmeta/followers.py): a snapshot, then every change in the order it
+  was applied; they match prompts against their own replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -28,17 +31,19 @@ from scheduler.kv_index import KVIndex
 from services.common.instance_record import StoreRecord
 from services.common.registry import InstanceEvent, Registry, RegistryWatch
 from services.common.rpc import RpcError, Service
+from services.kvmeta.followers import Followers
 from services.kvmeta.resync import ChunkedResyncs, ChunkGap
 
 log = logging.getLogger(__name__)
 
 
 class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
-    """``KvMeta.PublishEvents`` and ``KvMeta.MatchPrefix``."""
+    """``KvMeta.PublishEvents``, ``Follow`` and ``MatchPrefix``."""
 
     def __init__(self) -> None:
         self.index = KVIndex()
         self.resyncs = ChunkedResyncs(self.index)
+        self.followers = Followers(self.index)
         self.registered: dict[str, str] = {}  # instance id -> role, as the etcd watch last saw them
         self._store_generation: dict[str, int] = {}  # store service -> the start of its master indexed
 
@@ -84,10 +89,17 @@ class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
                      request.num_chunks)  # fmt: skip
         return kvmeta_pb2.PublishEventsResponse()
 
+    async def Follow(  # noqa: N802
+        self, request: kvmeta_pb2.FollowRequest, context: Any
+    ) -> AsyncIterator[kvmeta_pb2.IndexChange]:
+        """The index as a snapshot, then its changes as they are applied."""
+        async for change in self.followers.follow():
+            yield change
+
     async def MatchPrefix(  # noqa: N802
         self, request: kvmeta_pb2.MatchPrefixRequest, context: Any
     ) -> kvmeta_pb2.MatchPrefixResponse:
-        """Prefix match of a prompt's blocks on every instance."""
+        """Prefix match of a prompt's blocks on every instance (for tools: the Conductors match in process)."""
         match = self.index.match_prefix(list(request.block_hashes), request.instance_ids)
         return kvmeta_pb2.MatchPrefixResponse(
             matches=[kvmeta_pb2.PrefixMatch(instance_id=i, prefix_blocks=n) for i, n in match.prefix_blocks.items()],

@@ -120,6 +120,8 @@ def test_worker_and_kvmeta_ports_take_only_the_roles_that_may_call_each_method(t
             decode_pb2.ReleaseRequest(request_id="tls-probe"), timeout=10)),
         "MatchPrefix": ("kvmeta", "conductor", lambda ch: kvmeta_pb2_grpc.KvMetaStub(ch).MatchPrefix(
             kvmeta_pb2.MatchPrefixRequest(block_hashes=[b"\x00" * 32]), timeout=10)),
+        "Follow": ("kvmeta", "conductor", lambda ch: next(kvmeta_pb2_grpc.KvMetaStub(ch).Follow(
+            kvmeta_pb2.FollowRequest(), timeout=10))),
         "PublishEvents": ("kvmeta", "prefill", lambda ch: kvmeta_pb2_grpc.KvMetaStub(ch).PublishEvents(
             kvmeta_pb2.PublishEventsRequest(instance_id="prefill-0"), timeout=10)),
     }  # fmt: skip

@@ -25,11 +25,12 @@ import pytest
 from cli.etcd_server import EmbeddedEtcd
 from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
+from services.common.hash_batches import MESSAGE_BUDGET
 from services.common.instance_record import CostModels, InstanceRecord, KVShape, WorkerRecord
 from services.common.registry import Registry
 from services.common.rpc import ErrorInterceptor
 from services.kvmeta.kvmeta import KvMetaServicer, services
-from services.worker.kv.events import MESSAGE_BUDGET, KvEventPublisher
+from services.worker.kv.events import KvEventPublisher
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 REPO_ROOT = Path(__file__).resolve().parents[2]

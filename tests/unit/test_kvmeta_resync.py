@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from kvconductor.v1 import common_pb2, kvmeta_pb2
+from services.common.hash_batches import MESSAGE_BUDGET, chunks, entry_bytes
 from services.common.instance_record import InstanceRecord
 from services.common.registry import InstanceEvent
 from services.common.rpc import RpcError
 from services.kvmeta.kvmeta import KvMetaServicer
-from services.worker.kv.events import MESSAGE_BUDGET, chunks, entry_bytes
 
 GRPC_LIMIT = 4 * 1024 * 1024  # gRPC's default max receive message size
 POOL_BLOCKS = 190_464  # an emulated prefill pool of deploy/emulated.toml
@@ -67,11 +67,11 @@ def test_chunks_only_grow_the_entries_until_the_last_makes_them_exact():
     assert len(parts) == 3
     for i, part in enumerate(parts[:-1]):
         assert not _publish(kvmeta, _request("prefill-0", 9, part, full=True, index=i, count=3)).resync_required
-        assert set(h[:4]) <= kvmeta.index._inventory["prefill-0"]  # never less than before the resync
+        assert set(h[:4]) <= set(kvmeta.index.blocks("prefill-0"))  # never less than before the resync
     assert kvmeta.index.match_prefix(h[:4]).prefix_blocks == {"prefill-0": 4}  # the old entries still answer
     assert kvmeta.resyncs.staged() == ["prefill-0"]
     _publish(kvmeta, _request("prefill-0", 9, parts[-1], full=True, index=2, count=3))
-    assert kvmeta.index._inventory["prefill-0"] == set(new) and not kvmeta.resyncs.staged()
+    assert set(kvmeta.index.blocks("prefill-0")) == set(new) and not kvmeta.resyncs.staged()
     assert kvmeta.index.match_prefix(h[2:4] + h[5:8]).prefix_blocks == {"prefill-0": 5}
     assert not _publish(kvmeta, _request("prefill-0", 10, [h[8]])).resync_required  # the resync's seq is the base
 
@@ -84,7 +84,7 @@ def test_a_chunk_that_does_not_continue_the_staged_resync_asks_for_the_inventory
     assert _publish(kvmeta, _request("prefill-0", 5, h[2:4], full=True, index=1, count=3)).resync_required
     _publish(kvmeta, _request("prefill-0", 6, h[2:3], full=True, index=0, count=3))
     assert _publish(kvmeta, _request("prefill-0", 6, h[4:5], full=True, index=2, count=3)).resync_required
-    assert not kvmeta.resyncs.staged() and set(h[:2]) <= kvmeta.index._inventory["prefill-0"]
+    assert not kvmeta.resyncs.staged() and set(h[:2]) <= set(kvmeta.index.blocks("prefill-0"))
     # A delta in the middle of a resync abandons it (and finds the resync's seq never became the base).
     _publish(kvmeta, _request("prefill-0", 7, h[2:3], full=True, index=0, count=2))
     assert _publish(kvmeta, _request("prefill-0", 8, [h[5]])).resync_required

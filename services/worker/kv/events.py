@@ -24,33 +24,11 @@ from dataclasses import dataclass
 import grpc
 
 from kvconductor.v1 import common_pb2, kvmeta_pb2, kvmeta_pb2_grpc
+from services.common.hash_batches import MESSAGE_BUDGET, chunks, entry_bytes
 from services.common.registry import Registry
 from services.common.rpc import channel
 
 log = logging.getLogger(__name__)
-# Bytes of block hashes per PublishEvents call: a quarter of gRPC's default 4 MiB limit, leaving room for
-# the other fields (an instance id, a few integers) many times over.
-MESSAGE_BUDGET = 1 << 20
-
-
-def entry_bytes(block_hash: bytes) -> int:
-    """Wire size of one entry of a repeated ``bytes`` field numbered below 16: tag, length varint, the hash."""
-    n = len(block_hash)
-    return 1 + max(1, (n.bit_length() + 6) // 7) + n
-
-
-def chunks(hashes: Sequence[bytes], budget: int = MESSAGE_BUDGET) -> list[list[bytes]]:
-    """``hashes`` cut in order into runs of at most ``budget`` wire bytes each (one empty run for none)."""
-    runs: list[list[bytes]] = [[]]
-    size = 0
-    for h in hashes:
-        n = entry_bytes(h)
-        if size + n > budget and runs[-1]:
-            runs.append([])
-            size = 0
-        runs[-1].append(h)
-        size += n
-    return runs
 
 
 @dataclass

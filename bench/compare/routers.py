@@ -215,7 +215,8 @@ def bisect_levels(
     def attainment(rate: float) -> float:
         return float(one_level(Level(rate=rate, repeat=repeat), next(seeds))["summary"]["slo_attainment"])
 
-    found = capacity.bisect(attainment, *args.capacity, args.tolerance).record()
+    lo, hi = args.capacity
+    found = capacity.bisect(attainment, lo, hi, args.tolerance).record()
     print(f"[routers] {contender.label} capacity (bisection {repeat}): {capacity.describe(found)} req/s",
           file=sys.stderr, flush=True)  # fmt: skip
     return found

@@ -22,17 +22,18 @@ import itertools
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 BLOCK = 512  # tokens per hash id, as in Mooncake's traces
 
 
-def sessions(args: argparse.Namespace) -> list[dict[str, object]]:
+def sessions(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The trace's records in arrival order."""
     rng = random.Random(args.seed)
     ids = itertools.count()
     agents = [[next(ids) for _ in range(rng.randint(8, 32))] for _ in range(args.agents)]  # 4-16k tokens
     weights = [1 / (rank + 1) for rank in range(args.agents)]
-    records: list[dict[str, object]] = []
+    records: list[dict[str, Any]] = []
     start = 0.0
     while len(records) < args.requests:
         start += rng.expovariate(args.session_rate)
@@ -46,7 +47,7 @@ def sessions(args: argparse.Namespace) -> list[dict[str, object]]:
                             "hash_ids": history + message})  # fmt: skip
             history = history + message + [next(ids) for _ in range(rng.randint(2, 12))]  # answer + tool result
             at += rng.uniform(1.0, 8.0)
-    records.sort(key=lambda r: r["timestamp"])  # type: ignore[arg-type, return-value]
+    records.sort(key=lambda r: int(r["timestamp"]))
     return records[: args.requests]
 
 
@@ -67,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     reusable = total = 0
     for r in records:
         blocks = r["hash_ids"]
-        reusable += sum(BLOCK for h in blocks if h in seen)  # type: ignore[union-attr]
-        total += int(r["input_length"])  # type: ignore[call-overload]
-        seen.update(blocks)  # type: ignore[arg-type]
-    span = int(records[-1]["timestamp"]) / 1000  # type: ignore[call-overload]
+        reusable += sum(BLOCK for h in blocks if h in seen)
+        total += int(r["input_length"])
+        seen.update(blocks)
+    span = int(records[-1]["timestamp"]) / 1000
     print(f"wrote {args.out}: {len(records)} requests over {span:.0f} s, {total / len(records):,.0f} prompt tokens "
           f"on average, {reusable / total:.0%} of them in blocks an earlier request holds")  # fmt: skip
     return 0

@@ -66,7 +66,8 @@ def test_one_trace_spans_gateway_conductor_prefill_transfer_and_decode(cluster):
         by_service[s["resource"]["attributes"]["service.name"]].add(s["name"])
     assert "POST /v1/chat/completions" in by_service["kvconductor-gateway"]
     assert {"kvconductor.v1.Conductor/Generate", "conductor.schedule"} <= by_service["kvconductor-conductor"]
-    assert "kvconductor-kvmeta" not in by_service  # the prefix match is in the Conductor's process (its replica)
+    # The prefix match runs on the Conductor's replica of kvmeta's index: no call to kvmeta per request.
+    assert "kvconductor.v1.KvMeta/MatchPrefix" not in by_service["kvconductor-kvmeta"]
     assert {"kvconductor.v1.Prefill/Prefill", "prefill.compute", "prefill.kv_transfer"} <= by_service[
         "kvconductor-prefill"
     ]

@@ -148,11 +148,17 @@ class TransferModel:
         return cls(latency, 1.0 / per_byte)
 
 
+OWN_FIT_SAMPLES = 8  # transfers a link (or a source) needs before its own fit replaces the wider one
+
+
 class LinkModels:
     """Transfer models per (source, destination) instance pair, learned from the transfers they report.
 
-    A pair's model is fitted from its recent transfers; a pair with too few falls back to a fit over
-    every link from the same source, then over all links, then to the configured prior.
+    A pair's model is fitted from its recent transfers once it has ``OWN_FIT_SAMPLES`` of them; before that
+    it falls back to a fit over every link from the same source (with as many), then over all links, then to
+    the configured prior. A fit of its own from two or three transfers follows their noise: one slow
+    transfer on a busy moment made one prefill instance's T_send seconds longer than its peer's on the same
+    host, and the Conductor sent a prompt away from the instance holding its prefix.
     """
 
     def __init__(self, prior: TransferModel, window: int = 64) -> None:
@@ -180,12 +186,11 @@ class LinkModels:
         return self._cache[key]
 
     def _fit(self, source: str, destination: str) -> TransferModel:
-        groups = [
+        own = [
             [s for (src, dst), q in self._samples.items() if src == source and dst == destination for s in q],
             [s for (src, _), q in self._samples.items() if src == source for s in q],
-            [s for q in self._samples.values() for s in q],
         ]
-        for samples in groups:
+        for samples in [*(o for o in own if len(o) >= OWN_FIT_SAMPLES), [s for q in self._samples.values() for s in q]]:
             fitted = TransferModel.fit(samples)
             if fitted is not None:
                 return fitted

@@ -59,6 +59,20 @@ def test_link_models_learn_a_pair_and_fall_back_to_the_prior():
     assert second == ("store-0", "p0", 1, None)
 
 
+def test_a_link_gets_a_model_of_its_own_only_from_enough_transfers():
+    """Two slow transfers on a busy moment must not make one prefill instance's T_send seconds longer than its peer's."""
+    links = LinkModels(TransferModel(0.003, 1e9))
+    sizes = [1 << k for k in range(16, 26)]
+    for nbytes in sizes:
+        links.observe("p0", "", nbytes, 0.001 + nbytes / 1e9)
+    for nbytes in sizes[:2]:
+        links.observe("p1", "", nbytes, 0.5 + nbytes / 1e6)  # a contended moment: 1000x slower
+    assert links.model("p1").predict(20 << 20) < 2 * links.model("p0").predict(20 << 20)  # the wider fit
+    for nbytes in sizes[2:8]:
+        links.observe("p1", "", nbytes, 0.5 + nbytes / 1e6)
+    assert links.model("p1").bandwidth_bytes_per_s == pytest.approx(1e6, rel=1e-6)  # eight: its own
+
+
 def test_prefix_holder_wins_when_idle():
     idle = [PrefillCandidate("p0", 0, 0.0, PREFILL), PrefillCandidate("p1", 768, 0.0, PREFILL)]
     plan = policy().schedule(idle, [decode()], shape(), SLO, FAST_LINK)

@@ -265,7 +265,7 @@ def test_the_end_to_end_conductor_cost_readme_says_what_its_json_says():
     s1 = first["stages_mean_ms"]
     claims = [
         f"took {runs[0]['tokenize_ms']['100000']:.2f} ms in the first and {runs[1]['tokenize_ms']['100000']:.2f} ms",
-        f"{first['after_tokenization_mean_ms']:.2f} ms in the first run (hash {s1['hash']:.2f}, match "
+        f"not met, {first['after_tokenization_mean_ms']:.2f} ms in the first run (hash {s1['hash']:.2f}, match "
         f"{s1['match']:.2f}, decide {s1['decide']:.2f}, book {s1['book']:.2f} ms) and "
         f"{second['after_tokenization_mean_ms']:.2f} ms in the second (match {second['stages_mean_ms']['match']:.2f})",
         f"first token p50 is {first['ttft_ms']['p50']:.2f} and {second['ttft_ms']['p50']:.2f} ms",
@@ -274,13 +274,14 @@ def test_the_end_to_end_conductor_cost_readme_says_what_its_json_says():
         f"at 64 instances {sustained[0][64]['requests_per_s']:.1f} and {sustained[1][64]['requests_per_s']:.1f} "
         f"requests/s ({sustained[0][64]['conductor_cpu_ms_per_request']:.2f} and "
         f"{sustained[1][64]['conductor_cpu_ms_per_request']:.2f} ms",
-        f"at 16 instances {sustained[0][16]['requests_per_s']:.1f} and {sustained[1][16]['requests_per_s']:.1f}",
+        f"met at 16 instances ({sustained[0][16]['requests_per_s']:.1f} and {sustained[1][16]['requests_per_s']:.1f}",
         f"at 256 instances {sustained[0][256]['requests_per_s']:.1f} and {sustained[1][256]['requests_per_s']:.1f}",
     ]
     for claim in claims:
         assert claim in readme, f"README.md no longer says: {claim}"
-    for lat, sus in zip(latency, sustained, strict=True):  # "neither met", in both runs
+    for lat, sus in zip(latency, sustained, strict=True):  # what the README says is met and not, in both runs
         assert lat[(64, 100_000)]["after_tokenization_mean_ms"] > 3 and sus[64]["requests_per_s"] < 200
+        assert sus[16]["requests_per_s"] >= 200
         assert all(s["errors"] == 0 and s["tokens"] == 16 * s["requests"] for s in sus.values())
 
 

@@ -71,6 +71,9 @@ class PolicyConfig:
         return replace(PolicyConfig(**{f.name: getattr(self, f.name) for f in fields(PolicyConfig)}), **changes)
 
 
+REASON_CANDIDATES = 8  # candidates a decision's reason names (every one is in the decision's candidates)
+
+
 @dataclass(frozen=True)
 class CopySource:
     """Where a prompt's cached prefix can be copied from: the best prefill holder, or the Mooncake Store."""
@@ -235,10 +238,13 @@ class ConductorPolicy:
 
     def _explain(self, plan: Plan, store: CopySource | None, colocated: bool) -> str:
         e = plan.prefill
+        shown = plan.candidates  # the cheapest few when there are many: the reason is logged for every request
+        if len(shown) > REASON_CANDIDATES:
+            shown = tuple(sorted(shown, key=attrgetter("cost"))[:REASON_CANDIDATES])
         others = ", ".join(
             f"{c.instance_id}={c.ttft * 1e3:.0f}ms" + (f"+{c.t_shared * 1e3:.0f}ms shared" if c.t_shared else "")
-            for c in plan.candidates
-        )
+            for c in shown
+        ) + (f", {len(plan.candidates) - len(shown)} more" if len(shown) < len(plan.candidates) else "")
         source = f"the Mooncake Store ({e.copy_from})" if store and e.copy_from == store.instance_id else e.copy_from
         how = f"copies {e.copy_tokens} tokens of KV from {source}" if e.copy_from else "computes locally"
         queued = f" ({e.queued_tokens} of them from prompts queued ahead of it there)" if e.queued_tokens else ""

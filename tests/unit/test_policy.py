@@ -60,7 +60,7 @@ def test_link_models_learn_a_pair_and_fall_back_to_the_prior():
 
 
 def test_a_link_gets_a_model_of_its_own_only_from_enough_transfers():
-    """Two slow transfers on a busy moment must not make one prefill instance's T_send seconds longer than its peer's."""
+    """Two slow transfers on a busy moment must not make one prefill instance's T_send far longer than its peer's."""
     links = LinkModels(TransferModel(0.003, 1e9))
     sizes = [1 << k for k in range(16, 26)]
     for nbytes in sizes:
@@ -407,3 +407,11 @@ def test_the_kv_index_holds_no_container_the_garbage_collector_walks():
     assert sorted(index.blocks("p1")) == sorted(hashes[10:1500]) and index.num_blocks("p1") == 1490
     assert sorted(dict(index.inventories())["p0"]) == sorted(hashes[:1000])
     assert index.drop_instance("p0") == 1000 and index.match_prefix(hashes).prefix_blocks == {"store-0": 2000}
+
+
+def test_a_reason_names_the_cheapest_eight_candidates_of_many():
+    """The reason is logged for every request: at 256 instances it named all 256."""
+    cluster = [PrefillCandidate(f"p{i:03d}", 0, i * 0.01, PREFILL) for i in range(40)]
+    plan = policy().schedule(cluster, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(plan, Plan) and len(plan.candidates) == 40
+    assert "p007=" in plan.reason and "p008=" not in plan.reason and ", 32 more)" in plan.reason

@@ -19,6 +19,7 @@ COLUMNS = (
     "health",
     "address",
     "free/total blocks",
+    "indexed",
     "running",
     "hit rate",
     "T_queue ms",
@@ -64,8 +65,8 @@ def _row(instance: conductor_pb2.InstanceStatus) -> tuple[str, ...]:
         f"prefill {p.c0 * 1e3:.1f} ms + {p.c1 * 1e6:.0f} ms/1k tokens + {p.c2 * 1e9:.1f} ms/1M attention pairs; "
         f"decode step {d.d0 * 1e3:.1f} ms + {d.d1 * 1e3:.2f} ms/sequence + {d.d2 * 1e6:.2f} ms/1k context tokens"
     )
-    return (instance.role, instance.instance_id, health, instance.address, blocks, running, hit_rate,
-            f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
+    return (instance.role, instance.instance_id, health, instance.address, blocks, str(instance.indexed_blocks),
+            running, hit_rate, f"{instance.t_queue_ms:.1f}", costs)  # fmt: skip
 
 
 def print_status(config: Config, window_s: float = 0.0) -> int:
@@ -76,6 +77,8 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
         print(f"the Conductor at {config.cluster.scheduler_endpoint} is unreachable: {e.code().name}")
         return 1
     print(f"model: {status.model}")
+    print(f"KV index: following kvmeta at {status.kv_index_source}" if status.kv_index_source else
+          "KV index: following no kvmeta (prompts are scheduled without prefix matches)")  # fmt: skip
     _table([COLUMNS, *(_row(i) for i in status.instances)])
     print(f"requests finished in the last {window_s or DEFAULT_WINDOW_S:.0f} s:")
     for lat in status.latencies:

@@ -176,6 +176,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             num_foreign=len(v.state.foreign_decoding.items.keys() | v.state.foreign_prefilling.items.keys()),
             overcommit_requests_max=overcommit.requests,
             overcommit_blocks_max=overcommit.blocks,
+            indexed_blocks=self.kv.index.num_blocks(v.instance_id),
         )
 
     async def GetStatus(  # noqa: N802
@@ -206,6 +207,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             ],
             store_json=json.dumps(self.view.store.to_json(), sort_keys=True) if self.view.store else "",
             rejections=dict(self.rejections),
+            kv_index_source=self.kv.following,
         )
 
     # -- admission -------------------------------------------------------------------------------

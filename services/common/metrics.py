@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
@@ -48,6 +48,12 @@ STAGE = Histogram(
     "kvconductor_conductor_stage_seconds", "The Conductor's own time per request, by stage", ["stage"],
     buckets=STAGE_BUCKETS,
 )  # fmt: skip
+KV_INDEX_FOLLOWING = Gauge(
+    "kvconductor_kv_index_following", "1 while the Conductor follows a kvmeta's index (0: no prefix matches soon)"
+)
+KV_INDEX_SNAPSHOTS = Counter(
+    "kvconductor_kv_index_snapshots", "Snapshots of kvmeta's index the Conductor took (at start, then per lost stream)"
+)
 PROMPT_TOKENS = Counter("kvconductor_prompt_tokens", "Prompt tokens of admitted requests")
 CACHED_TOKENS = Counter("kvconductor_cached_prompt_tokens", "Prompt tokens whose KV was reused (prefix cache or copy)")
 PREDICTION_ERROR = Histogram(

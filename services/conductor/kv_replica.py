@@ -26,6 +26,7 @@ import grpc
 
 from kvconductor.v1 import kvmeta_pb2, kvmeta_pb2_grpc
 from scheduler.kv_index import KVIndex
+from services.common import metrics
 from services.conductor.cluster_view import ClusterView
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class KVReplica:
                 if task is not None and task.cancelling():
                     raise  # the Conductor stops
                 log.warning("kvmeta at %s left: its channel closed under the index stream", address)
+            metrics.KV_INDEX_FOLLOWING.set(0)
             if self.following:
                 log.warning("the KV index answers as it was for %.0f s more, unless another kvmeta is followed",
                             STALE_S)  # fmt: skip
@@ -80,6 +82,8 @@ class KVReplica:
         async for change in call:
             if change.synced:
                 self.index, self.following, self._usable_until = index, address, math.inf
+                metrics.KV_INDEX_FOLLOWING.set(1)
+                metrics.KV_INDEX_SNAPSHOTS.inc()
                 log.info("following the KV index of kvmeta at %s: %d instances", address, len(index.instances()))
             elif change.dropped:
                 index.drop_instance(change.instance_id)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common.instance_record import InstanceRecord
 from services.common.registry import InstanceEvent
@@ -134,10 +135,14 @@ async def test_without_its_kvmeta_the_index_answers_for_a_while_then_not_until_a
         if time.monotonic() - stopped < 0.4:  # (a starved machine may take longer to notice than STALE_S)
             assert replica.match(h, INSTANCES) == {"prefill-0": 10}  # the last index still answers
         await until(lambda: replica.match(h, INSTANCES) == {}, 10, "stale: cache-unaware")
+        assert REGISTRY.get_sample_value("kvconductor_kv_index_following") == 0  # what an operator alerts on
+        snapshots = REGISTRY.get_sample_value("kvconductor_kv_index_snapshots_total")
         await first.stop()
         view.on_event(second.event())
         await until(lambda: replica.following.endswith(f":{second.port}"), 10, "followed the other kvmeta")
         assert replica.match(h, INSTANCES) == {"prefill-0": 10}
+        assert REGISTRY.get_sample_value("kvconductor_kv_index_following") == 1
+        assert REGISTRY.get_sample_value("kvconductor_kv_index_snapshots_total") == snapshots + 1
     finally:
         task.cancel()
         await second.stop()

@@ -3,6 +3,7 @@
 Per request::
 
     decide(now, shape, prefix_lens, prefills, decodes, slo, colocated)  -> Plan or Rejection (Algorithm 1)
+    decide_conditional(...)  the same, where the decode instances may prefill too: remote or local, by cost
     book(now, request_id, plan, ...)        the prefill work on p, the decode footprint on d
     prefill_done / decode_started / decode_progress / release as the request runs
     observe_completion(tokens)              the output lengths that size future decode bookings
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 from scheduler.booking import Booking
 from scheduler.candidates import RequestShape, Slo
 from scheduler.cost_model import LinkModels
+from scheduler.disaggregation import choose_path
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
-from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection
+from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
 
 
 @dataclass
@@ -68,6 +70,32 @@ class ConductorCore:
             colocated=colocated,
             store=store,
         )
+
+    def decide_conditional(
+        self,
+        now: float,
+        shape: RequestShape,
+        prefix_lens: Mapping[str, int],
+        prefills: Sequence[InstanceState],
+        mixed: Sequence[InstanceState],
+        slo: Slo,
+        store: CopySource | None = None,
+        block_hashes: Sequence[Hashable] = (),
+    ) -> Plan | Rejection:
+        """Prefill remotely (on ``prefills``, decode on ``mixed``) or locally (on ``mixed``).
+
+        The two plans of Algorithm 1, compared by the ``disaggregation`` rule (``scheduler/disaggregation.py``).
+        """
+        local = self.decide(now, shape, prefix_lens, mixed, mixed, slo, True, None, block_hashes)
+        if not prefills:
+            return choose_path(self.policy.config, None, local, shape, _no_share)
+        remote = self.decide(now, shape, prefix_lens, prefills, mixed, slo, False, store, block_hashes)
+        on = {m.instance_id: m for m in mixed}
+
+        def share(instance_id: str, start: float) -> float:
+            return decode_share(on[instance_id].decode_candidate(now), shape, start)
+
+        return choose_path(self.policy.config, remote, local, shape, share)
 
     @staticmethod
     def book(now: float, request_id: Hashable, plan: Plan, shape: RequestShape, p: InstanceState,
@@ -121,3 +149,7 @@ class ConductorCore:
     def observe_completion(self, completion_tokens: int) -> None:
         """A request finished with this many tokens."""
         self.output_lengths.observe(completion_tokens)
+
+
+def _no_share(instance_id: str, start: float) -> float:
+    return 0.0

@@ -45,6 +45,7 @@ from scheduler.rules import RULES, PrefillRule
 POLICIES = tuple(RULES)
 _instance_id = attrgetter("instance_id")
 EARLY_REJECTION = ("prediction", "plain")
+DISAGGREGATION = ("cost", "dynamo", "length")
 
 
 @dataclass
@@ -65,6 +66,11 @@ class PolicyConfig:
     # "prediction": judge TBT on the decode load predicted for when the request's prefill ends;
     # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
     early_rejection: str = "prediction"
+    # Where a request prefills when its decode instance could prefill it too (prefill instances beside
+    # colocated ones; scheduler/disaggregation.py): "cost" (the cheaper plan within the SLOs), "dynamo"
+    # (Dynamo's thresholds), "length" (locally below local_prefill_max_tokens).
+    disaggregation: str = "cost"
+    local_prefill_max_tokens: int = 2048
 
     def policy_config(self, **changes: Any) -> PolicyConfig:
         """These knobs alone (a plain ``PolicyConfig``), with ``changes``."""
@@ -94,6 +100,8 @@ class Plan:
     candidates: tuple[PrefillEstimate, ...]
     reason: str
     ttft_overhead: float = 0.0
+    # The other path's outcome when the request could prefill locally or remotely (scheduler/disaggregation.py).
+    alternative: Plan | Rejection | None = None
     # Admitted although the learned models predicted an SLO miss: the instances are idle and their start-up
     # profile says the request alone meets the SLO. Its measurement re-calibrates the models.
     probe: bool = False
@@ -127,6 +135,8 @@ class ConductorPolicy:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.config.policy!r}")
         if self.config.early_rejection not in EARLY_REJECTION:
             raise ValueError(f"early_rejection must be one of {', '.join(EARLY_REJECTION)}")
+        if self.config.disaggregation not in DISAGGREGATION:
+            raise ValueError(f"disaggregation must be one of {', '.join(DISAGGREGATION)}")
         self.rule = RULES[self.config.policy](self.seed)
 
     def schedule(
@@ -279,22 +289,31 @@ def shared_delay(e: PrefillEstimate, p: PrefillCandidate, d: DecodeCandidate, re
     """A request's cost on a colocated instance beyond its TTFT: its own decode time plus the delay to others.
 
     Each request decoding there when the prompt runs waits for the prompt's compute (its chunks share the
-    steps); for the request's ``output_tokens`` steps in the batch, it takes its own step time and adds
-    the step-time increase it causes to every other request in the batch. Summed, the choice minimises
-    the latency added to everyone on the instance, so a prefix holder busy decoding loses to an idle
-    instance once the requests it would slow cost more than the prefix saves.
+    steps); then the request's ``decode_share``. Summed, the choice minimises the latency added to everyone
+    on the instance, so a prefix holder busy decoding loses to an idle instance once the requests it would
+    slow cost more than the prefix saves.
     """
-    n, start = request.num_prompt_tokens, e.ttft
-    if not d.residents:  # an idle instance (most of a large cluster): nobody to delay, a batch of one
-        return request.output_tokens * d.model.predict(1, n) if request.output_tokens > 0 else 0.0
+    n = request.num_prompt_tokens
     stalled = sum(1 for r in d.residents if r.t_join <= e.t_queue < r.t_leave)
-    delay = stalled * p.model.predict(n - e.prefix_len, e.prefix_len)
+    delay = stalled * p.model.predict(n - e.prefix_len, e.prefix_len) if stalled else 0.0
+    return delay + decode_share(d, request, e.ttft)
+
+
+def decode_share(d: DecodeCandidate, request: RequestShape, start: float) -> float:
+    """The request's decode on d from ``start``: its own step time plus what it adds to everyone else's.
+
+    For its ``output_tokens`` steps (0 when they are unknown): its step time, plus the step-time increase it
+    causes to every request in the batch.
+    """
     if request.output_tokens <= 0:
-        return delay
+        return 0.0
+    n = request.num_prompt_tokens
+    if not d.residents:  # an idle instance (most of a large cluster): a batch of one
+        return request.output_tokens * d.model.predict(1, n)
     batch = [r for r in d.residents if r.t_join <= start < r.t_leave]
     context = sum(r.context for r in batch)
     before, after = d.model.predict(len(batch), context), d.model.predict(len(batch) + 1, context + n)
-    return delay + request.output_tokens * (after + len(batch) * (after - before))
+    return request.output_tokens * (after + len(batch) * (after - before))
 
 
 def _solo(

@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from scheduler.policy import DISAGGREGATION
 from scheduler.profiles import GpuSpec, Profile, analytic_gpu, load_profile, measured_cpu
 from scheduler.sim.metrics import summarize
 from scheduler.sim.simulator import SimConfig, Simulator
@@ -33,7 +34,8 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=GpuSpec.link_gbps, help="analytic-gpu: KV transfer link")
     parser.add_argument("--prefill", type=int, default=SimConfig.num_prefill, help="prefill instances")
     parser.add_argument("--decode", type=int, default=SimConfig.num_decode,
-                        help="decode instances (colocated: prefill+decode instances)")  # fmt: skip
+                        help="decode instances (colocated: prefill+decode instances; conditional: colocated ones "
+                             "beside the prefill instances)")  # fmt: skip
     parser.add_argument("--max-ttft", type=float, default=SimConfig.max_ttft, help="TTFT SLO, s")
     parser.add_argument("--max-tbt", type=float, default=SimConfig.max_tbt, help="TBT SLO used for admission, s")
     parser.add_argument("--threshold", type=float, default=SimConfig.kv_cache_balancing_threshold,
@@ -45,6 +47,12 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="SIGMA",
         help="cost-model error: every job and decode step runs exp(N(0, SIGMA)) x the predicted time (default 0)",
+    )
+    parser.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION,
+        default=SimConfig.disaggregation,
+        help="the conditional policy's rule: where a request prefills (scheduler/disaggregation.py)",
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
     parser.add_argument(

@@ -31,6 +31,7 @@ PAPER_NAMES = {
     "dynamo": "Dynamo KV-router rule",
     "sglang": "SGLang cache-aware rule",
     "colocated": "colocated (vLLM-like)",
+    "conditional": "conditional (prefill local or remote by cost)",
 }
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tbt=args.max_tbt,
             reject=args.reject,
             kv_cache_balancing_threshold=args.threshold,
+            disaggregation=args.disaggregation,
             seed=args.seed,
             prediction_error=args.prediction_error,
         )

@@ -34,16 +34,21 @@ from scheduler.sim.prefill_instance import STORE, Noise, PrefillInstance, Prefil
 from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.trace import TraceRequest
 
-SIM_POLICIES = (*POLICIES, "colocated")
+SIM_POLICIES = (*POLICIES, "colocated", "conditional")
 _PREFILL_DONE, _ARRIVAL, _SAMPLE = 0, 1, 2
 
 
 @dataclass
 class SimConfig(PolicyConfig):
-    """One simulated run: the policy's knobs (``PolicyConfig``; ``policy`` may also be "colocated") and the bed's."""
+    """One simulated run: the policy's knobs (``PolicyConfig``) and the bed's.
+
+    ``policy`` may also be "colocated" (num_prefill + num_decode colocated instances, Algorithm 1 over them)
+    or "conditional" (num_prefill prefill instances and num_decode colocated ones, each request prefilled on
+    its decode instance or remotely by the ``disaggregation`` rule: ``scheduler/disaggregation.py``).
+    """
 
     num_prefill: int = 10
-    num_decode: int = 6  # colocated runs num_prefill + num_decode colocated instances
+    num_decode: int = 6
     block_size: int = 512
     max_ttft: float = 30.0
     max_tbt: float = 0.3
@@ -87,9 +92,14 @@ class SimConfig(PolicyConfig):
         return self.policy == "colocated"
 
     @property
+    def conditional(self) -> bool:
+        """Whether the decode instances may prefill too (beside prefill instances)."""
+        return self.policy == "conditional"
+
+    @property
     def live_policy(self) -> str:
-        """The ``PolicyConfig.policy`` the run calls (colocated runs Algorithm 1 over colocated instances)."""
-        return "kvcache_centric" if self.colocated else self.policy
+        """The ``PolicyConfig.policy`` the run calls (colocated and conditional run Algorithm 1)."""
+        return "kvcache_centric" if self.colocated or self.conditional else self.policy
 
 
 @dataclass
@@ -156,7 +166,15 @@ class Simulator:
                 for i in range(cfg.num_prefill)
             ]
             self.decodes = [
-                DecodeInstance(f"d{i}", prof, bs, self._finished, self.core, noise=cfg.noise(cfg.num_prefill + i))
+                DecodeInstance(
+                    f"{'c' if cfg.conditional else 'd'}{i}",
+                    prof,
+                    bs,
+                    self._finished,
+                    self.core,
+                    PrefixCache(f"c{i}", cache_blocks, self.index, cfg.cache_block_tokens) if cfg.conditional else None,
+                    noise=cfg.noise(cfg.num_prefill + i),
+                )  # fmt: skip
                 for i in range(cfg.num_decode)
             ]
         self._decode_by_id = {d.instance_id: d for d in self.decodes}
@@ -209,7 +227,7 @@ class Simulator:
         )  # fmt: skip
         outcome = self._decide(now, request, shape)
         if isinstance(outcome, Rejection):
-            record.rejection = _rejection_kind(outcome.reason)
+            record.rejection = outcome.kind.removesuffix("_slo")  # "ttft", "tbt" or "capacity"
             if outcome.plan is not None:
                 record.predicted_ttft, record.predicted_tbt = outcome.plan.prefill.ttft, outcome.plan.tbt
             return
@@ -217,11 +235,17 @@ class Simulator:
 
     def _decide(self, now: float, request: TraceRequest, shape: RequestShape) -> Plan | Rejection:
         pool = self.prefills or self.decodes
-        holders = [p.instance_id for p in pool] + ([STORE] if self.store is not None else [])
+        cached = [*pool, *self.decodes] if self.config.conditional else pool
+        holders = [p.instance_id for p in cached] + ([STORE] if self.store is not None else [])
         match = self.index.match_prefix(request.block_hashes, holders).prefix_blocks
         prefix = {i: blocks * self.config.block_size for i, blocks in match.items()}
         store = CopySource(STORE, prefix.pop(STORE)) if STORE in prefix else None
         self.policy_calls += 1
+        if self.config.conditional:
+            return self.core.decide_conditional(
+                now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo, store,
+                request.full_blocks,
+            )  # fmt: skip
         return self.core.decide(
             now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo,
             self.config.colocated, store, request.full_blocks,
@@ -233,7 +257,7 @@ class Simulator:
         record.predicted_ttft, record.predicted_tbt = e.ttft, plan.tbt
         job = PrefillJob(request, record, shape, now, e.prefix_len, e.copy_from, plan.decode_instance)
         decode = self._decode_by_id[plan.decode_instance]
-        if self.config.colocated:  # the policy made the decode instance the prefill instance
+        if e.instance_id == plan.decode_instance:  # colocated, or prefilled on its decode instance
             self.core.book(now, record.request_id, plan, shape, decode.state, decode.state, request.full_blocks)
             decode.submit(job)
             return
@@ -288,11 +312,3 @@ class Simulator:
             if d.cache is not None:
                 stats[d.instance_id] |= {"cached_blocks": len(d.cache), "evicted": d.cache.evicted}
         return stats
-
-
-def _rejection_kind(reason: str) -> str:
-    if reason.startswith("predicted TTFT"):
-        return "ttft"
-    if reason.startswith("predicted TBT"):
-        return "tbt"
-    return "capacity"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler.policy import EARLY_REJECTION, POLICIES, PolicyConfig
+from scheduler.policy import DISAGGREGATION, EARLY_REJECTION, POLICIES, PolicyConfig
 from scheduler.profiles import named_profile
 
 
@@ -309,6 +309,12 @@ class SchedulerConfig(PolicyConfig):
             "[scheduler] early_rejection",
             f"must be one of {', '.join(EARLY_REJECTION)}",
         )
+        _check(
+            self.disaggregation in DISAGGREGATION,
+            "[scheduler] disaggregation",
+            f"must be one of {', '.join(DISAGGREGATION)}",
+        )
+        _check(self.local_prefill_max_tokens >= 1, "[scheduler] local_prefill_max_tokens", "must be at least 1")
 
 
 @dataclass

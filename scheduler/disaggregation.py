@@ -1,0 +1,106 @@
+"""Conditional disaggregation: each request prefills on its decode instance or on a prefill instance.
+
+In a mixed deployment (prefill instances beside colocated ones, which decode and can prefill too) every
+request has two plans, both from Algorithm 1 (``ConductorCore.decide_conditional``):
+
+* **remote**: a prefill instance (copies included) with a colocated instance as the decode instance. Its
+  cost: its TTFT, plus its ``decode_share`` on the decode instance (its own decode time and the step
+  time it adds to every request decoding there).
+* **local**: a colocated instance prefills and decodes. Its cost: its TTFT there, plus the same decode
+  share, plus the stall its prompt's chunks add to every request decoding there (``shared_delay``).
+
+Each plan is admitted on its own (SLOs, free blocks). ``[scheduler] disaggregation`` chooses:
+
+* ``cost``: the cheaper admitted plan; a rejection only when neither is admitted. No threshold: a short
+  prompt goes remote when the colocated instances are busy decoding, a long one stays local when its
+  prefix is cached there and the prefill pool is queued.
+* ``dynamo``: Dynamo's conditional disaggregation, as its router decides: local when the part of the
+  prompt not cached on the decode instance is under 2,048 tokens and under 70% of the prompt, or when every
+  prefill instance has work queued; remote otherwise.
+* ``length``: local when the prompt is shorter than ``local_prefill_max_tokens``.
+
+The threshold rules take the plan they pick, admitted or not, as a router would. Whichever path wins, the
+plan carries the other one (``Plan.alternative``) so that ``explain`` shows both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from scheduler.candidates import RequestShape
+from scheduler.policy import Plan, PolicyConfig, Rejection
+
+DYNAMO_MAX_LOCAL_TOKENS = 2048  # uncached tokens below which Dynamo prefills on the decode worker
+DYNAMO_MAX_LOCAL_SHARE = 0.7  # ... when they are also below this share of the prompt
+
+# The decode share of a request on a decode instance from a time: (instance id, start) -> seconds.
+DecodeShare = Callable[[str, float], float]
+
+
+def is_local(plan: Plan) -> bool:
+    """Whether the plan prefills on its decode instance."""
+    return plan.prefill.instance_id == plan.decode_instance
+
+
+def path_cost(plan: Plan, decode_share: DecodeShare) -> float:
+    """What the request costs everyone on this path: TTFT, the decode share, and a local prompt's stall."""
+    if is_local(plan):
+        return plan.prefill.cost  # TTFT + shared_delay (the stall and the decode share)
+    return plan.prefill.ttft + decode_share(plan.decode_instance, plan.prefill.ttft)
+
+
+def choose_path(
+    config: PolicyConfig,
+    remote: Plan | Rejection | None,
+    local: Plan | Rejection,
+    request: RequestShape,
+    decode_share: DecodeShare,
+) -> Plan | Rejection:
+    """The plan the ``config.disaggregation`` rule takes (``remote`` None: no prefill instance is available)."""
+    if remote is None:
+        return local
+    if config.disaggregation == "cost":
+        return _cheaper(remote, local, decode_share)
+    go_local = _threshold_local(config, remote, local, request)
+    chosen, other = (local, remote) if go_local else (remote, local)
+    rule = "Dynamo's rule" if config.disaggregation == "dynamo" else f"below {config.local_prefill_max_tokens} tokens"
+    why = f"prefills {'on its decode instance' if go_local else 'on a prefill instance'} by {rule}"
+    return _with(chosen, other, why)
+
+
+def _cheaper(remote: Plan | Rejection, local: Plan | Rejection, decode_share: DecodeShare) -> Plan | Rejection:
+    if isinstance(remote, Rejection) and isinstance(local, Rejection):
+        why = f"neither path meets the SLOs: remote: {remote.reason}; local: {local.reason}"
+        kind = local.kind if remote.kind == "capacity" else remote.kind
+        return Rejection(why, remote.plan or local.plan, kind)
+    if isinstance(local, Rejection):
+        assert isinstance(remote, Plan)
+        return _with(remote, local, f"prefills on a prefill instance: locally {local.reason}")
+    if isinstance(remote, Rejection):
+        return _with(local, remote, f"prefills on its decode instance: remotely {remote.reason}")
+    costs = path_cost(remote, decode_share), path_cost(local, decode_share)
+    chosen, other = (local, remote) if costs[1] < costs[0] else (remote, local)
+    mine, theirs = (costs[1], costs[0]) if chosen is local else costs
+    where = "on its decode instance" if chosen is local else "on a prefill instance"
+    why = f"prefills {where}: cost {mine * 1e3:.0f} ms against {theirs * 1e3:.0f} ms the other way"
+    return _with(chosen, other, why)
+
+
+def _threshold_local(config: PolicyConfig, remote: Plan | Rejection, local: Plan | Rejection,
+                     request: RequestShape) -> bool:  # fmt: skip
+    n = request.num_prompt_tokens
+    if config.disaggregation == "length":
+        return n < config.local_prefill_max_tokens
+    cached = local.prefill.prefix_len if isinstance(local, Plan) else 0
+    uncached = n - cached
+    if uncached < DYNAMO_MAX_LOCAL_TOKENS and uncached < DYNAMO_MAX_LOCAL_SHARE * n:
+        return True
+    remote_plan = remote if isinstance(remote, Plan) else remote.plan
+    return remote_plan is not None and all(c.t_queue > 0 for c in remote_plan.candidates)  # the pool is busy
+
+
+def _with(chosen: Plan | Rejection, other: Plan | Rejection, why: str) -> Plan | Rejection:
+    if isinstance(chosen, Rejection):
+        return replace(chosen, reason=f"{chosen.reason} ({why})")
+    return replace(chosen, alternative=other, reason=f"{chosen.reason}; {why}")

@@ -1,0 +1,126 @@
+"""Conditional disaggregation: a request prefills on its decode instance or remotely, by cost or by a peer's rule."""
+
+import pytest
+
+from scheduler.candidates import RequestShape, Slo
+from scheduler.core import ConductorCore
+from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
+from scheduler.disaggregation import is_local
+from scheduler.instance import InstanceState
+from scheduler.policy import ConductorPolicy, Plan, PolicyConfig, Rejection
+from scheduler.profiles import Profile
+from scheduler.sim.simulator import SimConfig, Simulator
+from scheduler.sim.trace import TraceRequest, block_hash
+
+BS = 16
+PREFILL = PrefillModel(c0=0.01, c1=1e-4, c2=1e-9)  # 0.1 s per 1k tokens
+DECODE = DecodeModel(d0=0.02, d1=1e-3, d2=1e-7)
+LINK = TransferModel(latency_s=0.001, bandwidth_bytes_per_s=5e9)
+SLO = Slo(max_ttft=5.0, max_tbt=0.2)
+
+
+def core(rule="cost", **knobs):
+    return ConductorCore(ConductorPolicy(PolicyConfig(disaggregation=rule, **knobs)), LinkModels(LINK))
+
+
+def state(instance_id, role):
+    return InstanceState(instance_id, role, PREFILL, DECODE, num_blocks=100_000, max_running=64, chunk_tokens=512)
+
+
+def shape(n, output=32):
+    return RequestShape(n, (n + output) // BS + 1, BS, 1024, output_tokens=output)
+
+
+def busy_decoding(c: InstanceState, requests: int, context: int, now=0.0):
+    """Requests decoding on ``c`` (booked as they would be, already started)."""
+    from scheduler.booking import Booking
+
+    for i in range(requests):
+        booking = Booking(now, 0.0, context, 10, now, 30.0)
+        booking.decode_started = now
+        c.decoding.add(f"resident-{c.instance_id}-{i}", booking)
+
+
+def test_a_request_prefills_where_its_total_cost_is_lower_and_carries_the_other_plan():
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    # An idle colocated instance: prefilling there costs no transfer and stalls nobody.
+    plan = core().decide_conditional(0.0, shape(1024), {}, [p], [c], SLO)
+    assert isinstance(plan, Plan) and is_local(plan) and plan.prefill.instance_id == "c0"
+    assert isinstance(plan.alternative, Plan) and plan.alternative.prefill.instance_id == "p0"
+    assert "prefills on its decode instance: cost" in plan.reason
+    # The same instance decoding for 40 requests: its prompt's chunks would stall all of them.
+    busy_decoding(c, 40, 2000)
+    plan = core().decide_conditional(0.0, shape(1024), {}, [p], [c], SLO)
+    assert isinstance(plan, Plan) and not is_local(plan)
+    assert (plan.prefill.instance_id, plan.decode_instance) == ("p0", "c0")
+    assert "prefills on a prefill instance: cost" in plan.reason and is_local(plan.alternative)
+
+
+def test_the_prefix_cached_on_the_decode_instance_keeps_a_long_prompt_local_while_the_pool_is_queued():
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    from scheduler.booking import Booking
+
+    p.prefilling.add("queued", Booking(0.0, 2.0, 8000, 0))  # two seconds of prefill queued on the pool
+    plan = core().decide_conditional(0.0, shape(8192), {"c0": 8000}, [p], [c], SLO)
+    assert isinstance(plan, Plan) and is_local(plan) and plan.prefill.prefix_len == 8000
+    # Dynamo's rule decides the same here (little is uncached), and the length rule would not.
+    assert is_local(core("dynamo").decide_conditional(0.0, shape(8192), {"c0": 8000}, [p], [c], SLO))
+    length = core("length").decide_conditional(0.0, shape(8192), {"c0": 8000}, [p], [c], SLO)
+    assert isinstance(length, Plan) and not is_local(length) and "below 2048 tokens" in length.reason
+
+
+def test_dynamo_goes_remote_for_a_long_uncached_prompt_unless_the_pool_is_busy():
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    plan = core("dynamo").decide_conditional(0.0, shape(4096), {}, [p], [c], SLO)
+    assert isinstance(plan, Plan) and not is_local(plan) and "by Dynamo's rule" in plan.reason
+    from scheduler.booking import Booking
+
+    p.prefilling.add("queued", Booking(0.0, 0.5, 4000, 0))
+    assert is_local(core("dynamo").decide_conditional(0.0, shape(4096), {}, [p], [c], SLO))
+
+
+def test_a_request_is_refused_only_when_neither_path_meets_the_slos():
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    from scheduler.booking import Booking
+
+    p.prefilling.add("queued", Booking(0.0, 9.0, 8000, 0))  # the pool: 9 s queued, over the 5 s SLO
+    plan = core().decide_conditional(0.0, shape(2048), {}, [p], [c], SLO)
+    assert isinstance(plan, Plan) and is_local(plan) and isinstance(plan.alternative, Rejection)
+    assert "remotely predicted TTFT" in plan.reason
+    c.prefilling.add("queued", Booking(0.0, 9.0, 8000, 0))
+    refused = core().decide_conditional(0.0, shape(2048), {}, [p], [c], SLO)
+    assert isinstance(refused, Rejection) and refused.kind == "ttft_slo"
+    assert refused.reason.startswith("neither path meets the SLOs: remote: predicted TTFT")
+
+
+def test_a_bad_rule_is_refused_by_name():
+    with pytest.raises(ValueError, match="disaggregation must be one of cost, dynamo, length"):
+        ConductorPolicy(PolicyConfig(disaggregation="always"))
+
+
+def _trace(n=200, seed=3):
+    import random
+
+    rng = random.Random(seed)
+    requests, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(6.0)
+        shared = rng.randrange(3)
+        hashes = [1000 * shared + j for j in range(rng.randrange(1, 5))] + [10_000 + i]
+        requests.append(TraceRequest(i, t, len(hashes) * 512 - rng.randrange(512), rng.randrange(2, 80),
+                                     tuple(block_hash(h) for h in hashes)))  # fmt: skip
+    return requests
+
+
+def test_the_simulator_runs_a_mixed_deployment_through_the_same_core():
+    profile = Profile(name="mixed", prefill=PrefillModel(0.01, 1e-4, 1e-8), decode=DECODE, link=LINK,
+                      bytes_per_token=1024, prefill_cache_tokens=40 * 512, decode_kv_tokens=400 * 512,
+                      max_running=32, chunk_tokens=2048)  # fmt: skip
+    result = Simulator(SimConfig(policy="conditional", num_prefill=2, num_decode=2, max_ttft=5.0, max_tbt=0.3),
+                       profile, _trace()).run()  # fmt: skip
+    served = [r for r in result.records if r.served]
+    local = [r for r in served if r.prefill_instance == r.decode_instance]
+    remote = [r for r in served if r.prefill_instance != r.decode_instance]
+    assert len(served) == 200 and local and remote  # both paths taken in one run
+    assert {r.prefill_instance for r in local} <= {"c0", "c1"} and {r.prefill_instance for r in remote} <= {"p0", "p1"}
+    assert {r.decode_instance for r in served} <= {"c0", "c1"}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from scheduler.booking import Booking
 from scheduler.candidates import RequestShape, Slo
 from scheduler.cost_model import LinkModels
-from scheduler.disaggregation import choose_path
+from scheduler.disaggregation import choose_path, stalls_past_tbt
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
@@ -87,10 +87,14 @@ class ConductorCore:
         The two plans of Algorithm 1, compared by the ``disaggregation`` rule (``scheduler/disaggregation.py``).
         """
         local = self.decide(now, shape, prefix_lens, mixed, mixed, slo, True, None, block_hashes)
+        on = {m.instance_id: m for m in mixed}
+        if isinstance(local, Plan) and slo.reject:
+            why = stalls_past_tbt(local, on[local.decode_instance].decode_candidate(now), slo.max_tbt)
+            if why:
+                local = Rejection(why, local, "tbt_slo")
         if not prefills:
             return choose_path(self.policy.config, None, local, shape, _no_share)
         remote = self.decide(now, shape, prefix_lens, prefills, mixed, slo, False, store, block_hashes)
-        on = {m.instance_id: m for m in mixed}
 
         def share(instance_id: str, start: float) -> float:
             return decode_share(on[instance_id].decode_candidate(now), shape, start)

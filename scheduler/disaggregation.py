@@ -9,7 +9,9 @@ request has two plans, both from Algorithm 1 (``ConductorCore.decide_conditional
 * **local**: a colocated instance prefills and decodes. Its cost: its TTFT there, plus the same decode
   share, plus the stall its prompt's chunks add to every request decoding there (``shared_delay``).
 
-Each plan is admitted on its own (SLOs, free blocks). ``[scheduler] disaggregation`` chooses:
+Each plan is admitted on its own (SLOs, free blocks); a local plan also only if its prompt's compute,
+spread over the tokens each request decoding there has left, keeps their TBT within the SLO
+(``stalls_past_tbt``). ``[scheduler] disaggregation`` chooses:
 
 * ``cost``: the cheaper admitted plan; a rejection only when neither is admitted. No threshold: a short
   prompt goes remote when the colocated instances are busy decoding, a long one stays local when its
@@ -28,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from scheduler.candidates import RequestShape
+from scheduler.candidates import DecodeCandidate, RequestShape
 from scheduler.policy import Plan, PolicyConfig, Rejection
 
 DYNAMO_MAX_LOCAL_TOKENS = 2048  # uncached tokens below which Dynamo prefills on the decode worker
@@ -41,6 +43,25 @@ DecodeShare = Callable[[str, float], float]
 def is_local(plan: Plan) -> bool:
     """Whether the plan prefills on its decode instance."""
     return plan.prefill.instance_id == plan.decode_instance
+
+
+def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float) -> str:
+    """Why prefilling locally would push a request decoding on d past the TBT SLO ("" when none would be).
+
+    Each request decoding there when the prompt starts waits for the prompt's compute, spread over the tokens
+    it has left: its mean TBT becomes its step time plus the stall over those tokens.
+    """
+    e = plan.prefill
+    stall = e.t_prefill
+    batch = [r for r in d.residents if r.t_join <= e.t_queue < r.t_leave]
+    if not batch or stall <= 0:
+        return ""
+    step = d.model.predict(len(batch), sum(r.context for r in batch))
+    worst = max(step + stall / max(1.0, (r.t_leave - e.t_queue) / step) for r in batch)
+    if worst <= max_tbt:
+        return ""
+    return (f"its prompt's {stall * 1e3:.0f} ms of compute would push a request decoding there to a TBT of "
+            f"{worst * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
 
 
 def path_cost(plan: Plan, decode_share: DecodeShare) -> float:

@@ -124,3 +124,22 @@ def test_the_simulator_runs_a_mixed_deployment_through_the_same_core():
     assert len(served) == 200 and local and remote  # both paths taken in one run
     assert {r.prefill_instance for r in local} <= {"c0", "c1"} and {r.prefill_instance for r in remote} <= {"p0", "p1"}
     assert {r.decode_instance for r in served} <= {"c0", "c1"}
+
+
+def test_a_local_prompt_that_would_push_a_resident_past_the_tbt_slo_goes_remote():
+    """Cheaper locally by cost, but its chunks would stall requests with few tokens left past the TBT SLO."""
+    from scheduler.booking import Booking
+
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    booking = Booking(0.0, 0.0, 500, 10, 0.0, 0.2)  # a request with about 0.2 s (9 steps) of decoding left
+    booking.decode_started = 0.0
+    c.decoding.add("r0", booking)
+    p.prefilling.add("queued", Booking(0.0, 1.0, 4000, 0))  # the pool has a second queued: local is cheaper
+    slo = Slo(max_ttft=5.0, max_tbt=0.05)
+    plan = core().decide_conditional(0.0, shape(6000), {}, [p], [c], slo)
+    assert isinstance(plan, Plan) and not is_local(plan)
+    assert isinstance(plan.alternative, Rejection) and plan.alternative.kind == "tbt_slo"
+    assert "would push a request decoding there to a TBT of" in plan.reason
+    # Without SLO admission the cost decides alone: locally.
+    unchecked = core().decide_conditional(0.0, shape(6000), {}, [p], [c], Slo(5.0, 0.05, reject=False))
+    assert isinstance(unchecked, Plan) and is_local(unchecked)

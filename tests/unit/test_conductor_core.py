@@ -186,3 +186,30 @@ def test_a_prompt_queued_behind_its_prefix_is_predicted_to_reuse_it_but_never_co
     core.prefill_done(holder, "turn-1", 0.5)
     again = core.decide(0.6, shape, cached, [p0, p1], [d], slo, False, None, turn2)
     assert {e.instance_id: e.prefix_len for e in again.candidates}[holder.instance_id] <= 2 * BS  # at most a copy
+
+
+def test_the_queued_prefix_is_the_longest_common_prefix_with_any_queued_prompt():
+    """Binary search over chained hashes gives what a walk over every queued block would (random prompts)."""
+    from scheduler.booking import Booking, Bookings, common_prefix
+
+    rng = random.Random(7)
+    trunks = [[f"t{t}-{i}" for i in range(rng.randrange(1, 400))] for t in range(4)]
+
+    def prompt():  # a shared trunk's prefix, then blocks of its own (chained: ids stand for the whole prefix)
+        trunk = rng.choice(trunks)
+        k = rng.randrange(len(trunk) + 1)
+        own = f"p{rng.random()}"
+        return trunk[:k] + [f"{own}-{i}" for i in range(rng.randrange(0, 50))]
+
+    for _ in range(200):
+        bookings, queued = Bookings(), [prompt() for _ in range(rng.randrange(0, 6))]
+        for i, blocks in enumerate(queued):
+            bookings.add(i, Booking(0.0, 1.0, 16 * len(blocks), 0, prompt_blocks=blocks))
+        done = rng.randrange(len(queued) + 1)
+        for i in range(done):
+            bookings.prefill_done(i, 0.5)
+        new = prompt()
+        union = {h for blocks in queued[done:] for h in blocks}
+        walked = next((i for i, h in enumerate(new) if h not in union), len(new))
+        assert bookings.queued_prefix(new) == walked
+    assert common_prefix(["a", "b", "c"], ["a", "b", "x"]) == 2 and common_prefix([], ["a"]) == 0

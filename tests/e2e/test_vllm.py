@@ -103,7 +103,11 @@ def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_h
     reused = len(a) // BLOCK * BLOCK
     for prefix, holder, other in ((a, holder_a, holder_b), (b, holder_b, holder_a)):
         _, decision, usage = grpc_generate(vllm_cluster, prefix + [4, 5], PD)
-        assert (decision.prefill_instance, decision.prefix_len, decision.copy_from) == (holder, reused, "")
+        estimates = [(c.instance_id, c.prefix_len, round(c.t_queue_ms), round(c.t_prefill_ms), round(c.t_send_ms))
+                     for c in decision.candidates]  # fmt: skip
+        assert (decision.prefill_instance, decision.prefix_len, decision.copy_from) == (holder, reused, ""), (
+            f"candidates (id, prefix, T_queue, T_prefill, T_send ms): {estimates}; {conductor_status(vllm_cluster)}"
+        )
         assert usage.cached_tokens == reused  # vLLM's own count
         assert {c.instance_id: c.prefix_len for c in decision.candidates} == {holder: reused, other: 0}
     # The prompt KV crossed vLLM's MooncakeConnector from both prefill workers (its push statistics, counted

@@ -36,6 +36,7 @@ DEPLOYMENTS = {
     "auto": conductor_pb2.DEPLOYMENT_AUTO,
     "disaggregated": conductor_pb2.DEPLOYMENT_DISAGGREGATED,
     "colocated": conductor_pb2.DEPLOYMENT_COLOCATED,
+    "conditional": conductor_pb2.DEPLOYMENT_CONDITIONAL,
 }
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 

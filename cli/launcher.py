@@ -190,7 +190,9 @@ class Cluster:
         c = self.config
         plan = [("kvmeta", "kvmeta-0"), *([("store", "store-0")] if c.store.enabled else [])]
         plan += [("conductor", f"conductor-{i}") for i in range(c.scheduler.replicas)]
-        plan += [("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if c.decode.node_count else 0)]
+        # Prefill workers serve decode workers, or colocated ones (conditional disaggregation).
+        serves = c.decode.node_count or c.colocated.node_count
+        plan += [("prefill", f"prefill-{i}") for i in range(c.prefill.node_count if serves else 0)]
         plan += [("decode", f"decode-{i}") for i in range(c.decode.node_count if c.prefill.node_count else 0)]
         plan += [("colocated", f"colocated-{i}") for i in range(c.colocated.node_count)]
         return [*plan, ("gateway", "gateway-0")]

@@ -89,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--model", metavar="DIR", help="run the engine in this process on this Hugging Face folder")
     where.add_argument("--cluster", action="store_true", help="send it to the Conductor of --config / --set")
     gen.add_argument(
-        "--deployment", choices=["auto", "disaggregated", "colocated"], default="auto", help="serving path (--cluster)"
+        "--deployment",
+        choices=["auto", "disaggregated", "colocated", "conditional"],
+        default="auto",
+        help="serving path (--cluster); conditional: each request prefills on a prefill worker or on its colocated "
+        "decode worker, by [scheduler] disaggregation",
     )
     _add_config_args(gen)
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text (tokenized without BOS)")

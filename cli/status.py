@@ -124,6 +124,22 @@ def _table(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
+def _candidates(d: conductor_pb2.Decision) -> None:
+    """The decision's prefill candidates as a table."""
+    header: tuple[str, ...] = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send",
+                               "TTFT (ms)")  # fmt: skip
+    shared = any(c.t_shared_ms for c in d.candidates)  # colocated: the decode time each would share
+    rows = [
+        (c.instance_id, str(c.prefix_len), c.copy_from or "-", f"{c.t_queue_ms:.1f}", f"{c.t_transfer_ms:.1f}",
+         f"{c.t_prefill_ms:.1f}", f"{c.t_send_ms:.1f}", f"{c.predicted_ttft_ms:.1f}")
+        + ((f"{c.t_shared_ms:.1f}",) if shared else ())
+        for c in d.candidates
+    ]  # fmt: skip
+    header += ("shared (ms)",) if shared else ()
+    if rows:
+        _table([header, *rows])
+
+
 def print_decision(config: Config, request_id: str) -> int:
     """Print one request's decision; 1 when it is unknown or the Conductor unreachable."""
     try:
@@ -146,16 +162,15 @@ def print_decision(config: Config, request_id: str) -> int:
               f"cached {o.cached_tokens} tokens{copied}")  # fmt: skip
     if o.copy_note:
         print(f"  the planned copy moved less: {o.copy_note}")
-    header: tuple[str, ...] = ("candidate", "prefix_len", "copy from", "T_queue", "T_transfer", "T_prefill", "T_send",
-                               "TTFT (ms)")  # fmt: skip
-    shared = any(c.t_shared_ms for c in d.candidates)  # colocated: the decode time each would share
-    rows = [
-        (c.instance_id, str(c.prefix_len), c.copy_from or "-", f"{c.t_queue_ms:.1f}", f"{c.t_transfer_ms:.1f}",
-         f"{c.t_prefill_ms:.1f}", f"{c.t_send_ms:.1f}", f"{c.predicted_ttft_ms:.1f}")
-        + ((f"{c.t_shared_ms:.1f}",) if shared else ())
-        for c in d.candidates
-    ]  # fmt: skip
-    header += ("shared (ms)",) if shared else ()
-    if rows:
-        _table([header, *rows])
+    _candidates(d)
+    if d.path:  # conditional disaggregation: the plan of the other path, and its candidates
+        a, other = d.alternative, "remote" if d.path == "local" else "local"
+        where = {"local": "on its decode instance", "remote": "on a prefill instance"}
+        print(f"  path: {d.path} (prefills {where[d.path]}); the {other} plan (prefills {where[other]}):")
+        if a.rejected:
+            print(f"    not admitted: {a.reason}")
+        if a.prefill_instance:
+            print(f"    prefill {a.prefill_instance} -> decode {a.decode_instance}: predicted TTFT "
+                  f"{a.predicted_ttft_ms:.1f} ms, TBT {a.predicted_tbt_ms:.1f} ms")  # fmt: skip
+        _candidates(a)
     return 0

@@ -19,6 +19,7 @@ from cli import local_cluster
 from cli.local_cluster import LocalCluster
 from kvconductor.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.instance_record import InstanceRecord, WorkerRecord
+from services.common.registry import Registry
 
 MAX_TOKENS = 12
 
@@ -213,8 +214,25 @@ def worker_record(cluster, role):
     return record
 
 
-def bytes_per_block(cluster):
-    return worker_record(cluster, "decode").kv_layout.bytes_per_block
+def bytes_per_block(cluster, role="decode"):
+    return worker_record(cluster, role).kv_layout.bytes_per_block
+
+
+def records(cluster) -> dict[tuple[str, str], InstanceRecord]:
+    """Every record in the cluster's etcd, by (role, instance id)."""
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        return registry.list()
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Prometheus samples of a /metrics endpoint by 'name{labels}'."""
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 def kvmeta_matches(cluster, block_hashes, timeout=30):

@@ -477,6 +477,13 @@ class Config:
             "[prefill]/[decode]/[colocated] node_count",
             "need prefill and decode workers, or colocated workers",
         )
+        mixed = self.prefill.node_count > 0 and self.decode.node_count == 0 and self.colocated.node_count > 0
+        _check(
+            not (mixed and self.engine.backend == "vllm"),
+            "[prefill] node_count",
+            "prefill workers beside colocated ones (conditional disaggregation) need colocated workers that take "
+            'KV from them: [engine] backend "builtin" or "emulated", not "vllm" yet',
+        )
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:

@@ -39,6 +39,12 @@ PROBES = Counter(
     "kvconductor_admission_probes",
     "Requests admitted on idle instances although the learned models predicted an SLO miss (they re-calibrate)",
 )
+CONDITIONAL_PATHS = Counter(
+    "kvconductor_conditional_paths",
+    "Conditional disaggregation: requests planned to prefill on their decode instance (local) or on a prefill "
+    "instance (remote)",
+    ["path"],
+)
 STALLS = Counter(
     "kvconductor_stalls", "Requests abandoned on a worker that made no progress (by phase)", ["phase", "instance"]
 )

@@ -128,8 +128,8 @@ class ClusterView:
         record = event.record
         assert isinstance(record, WorkerRecord), "the registry decodes a worker role's value as a WorkerRecord"
         if record.engine != self.engine:
-            log.error("refusing %s %s: its engine is %r, this cluster's [engine] backend is %r (mixed pools are "
-                      "not supported)", event.role, event.instance_id, record.engine, self.engine)  # fmt: skip
+            log.error("refusing %s %s: its engine is %r, this cluster's [engine] backend is %r (one engine per "
+                      "cluster)", event.role, event.instance_id, record.engine, self.engine)  # fmt: skip
             return
         same_address = old is not None and old.record.address == record.address
         view = InstanceView(

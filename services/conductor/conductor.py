@@ -41,6 +41,7 @@ from scheduler.booking import request_blocks
 from scheduler.candidates import RequestShape, Slo
 from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels, TransferModel
+from scheduler.disaggregation import is_local
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection
 from scheduler.ttft_overhead import TtftOverhead
 from services.common import metrics
@@ -126,19 +127,21 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """Schedule, run and stream one request."""
         if request.deployment not in conductor_pb2.Deployment.values():
             raise ValueError(f"unknown deployment {request.deployment}")
-        await self.view.wait_for(lambda: any(self._available(request.deployment)), self.config.scheduler.worker_wait_s)
+        await self.view.wait_for(lambda: self._can_serve(request.deployment), self.config.scheduler.worker_wait_s)
         job = await self._admit(request)
-        disaggregated = self._use_disaggregated(request.deployment)
-        job.path = "disaggregated" if disaggregated else "colocated"
+        deployment = self._deployment(request.deployment)
+        job.path = "colocated" if deployment == "colocated" else "disaggregated"  # conditional: set by each plan
         span = trace.get_current_span()
         span.set_attributes(
             {"kvconductor.request_id": job.request_id, "kvconductor.client_request_id": job.label,
-             "kvconductor.path": job.path,
+             "kvconductor.deployment": deployment,
              "kvconductor.prompt_tokens": len(job.prompt), "kvconductor.max_tokens": job.sampling.max_tokens}
         )  # fmt: skip
+        attempts = {"disaggregated": self._disaggregated, "colocated": self._colocated,
+                    "conditional": self._conditional}  # fmt: skip
         outcome = "failed"
         try:
-            pieces = self._with_retries(job, self._disaggregated if disaggregated else self._colocated)
+            pieces = self._with_retries(job, attempts[deployment])
             async for response in self._relay(job, pieces, request.include_decision):
                 yield response
             outcome = "completed"
@@ -150,7 +153,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise
         finally:
             metrics.REQUESTS.labels(job.path, outcome).inc()
-            span.set_attribute("kvconductor.outcome", outcome)
+            span.set_attributes({"kvconductor.path": job.path, "kvconductor.outcome": outcome})
 
     async def ExplainDecision(  # noqa: N802
         self, request: conductor_pb2.ExplainDecisionRequest, context: Any
@@ -276,29 +279,44 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if max(token_ids) >= vocab:
             raise ValueError(f"token id {max(token_ids)} is outside the vocabulary (size {vocab})")
 
-    def _available(self, deployment: int) -> tuple[bool, bool]:
-        """(prefill and decode workers, colocated workers) that ``deployment`` may use now."""
+    def _can_serve(self, deployment: int) -> bool:
+        """Whether workers that ``deployment`` may use are registered now."""
+        has_pd = bool(self.view.pool("prefill")) and bool(self.view.pool("decode"))
+        has_colocated = bool(self.view.pool("colocated"))  # a conditional request prefills there when it must
+        if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
+            return has_pd
+        if deployment in (conductor_pb2.DEPLOYMENT_COLOCATED, conductor_pb2.DEPLOYMENT_CONDITIONAL):
+            return has_colocated
+        return has_pd or has_colocated
+
+    def _deployment(self, deployment: int) -> str:
+        """The request's serving path: "disaggregated", "colocated" or "conditional" (either, per request).
+
+        Auto: disaggregated when prefill and decode workers exist; else conditional when prefill and colocated
+        workers do (and the engine's colocated workers take KV: not vLLM's yet); else colocated.
+        """
         has_pd = bool(self.view.pool("prefill")) and bool(self.view.pool("decode"))
         has_colocated = bool(self.view.pool("colocated"))
-        if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
-            return has_pd, False
-        if deployment == conductor_pb2.DEPLOYMENT_COLOCATED:
-            return False, has_colocated
-        return has_pd, has_colocated
-
-    def _use_disaggregated(self, deployment: int) -> bool:
-        has_pd, has_colocated = self._available(deployment)
+        takes_kv = self.config.engine.backend != "vllm"
         if deployment == conductor_pb2.DEPLOYMENT_DISAGGREGATED:
             if not has_pd:
                 raise RpcError(UNAVAILABLE, "no prefill/decode workers are available")
-            return True
-        if deployment == conductor_pb2.DEPLOYMENT_COLOCATED:
+            return "disaggregated"
+        if deployment == conductor_pb2.DEPLOYMENT_CONDITIONAL and not takes_kv:
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "conditional disaggregation needs colocated workers "
+                "that take KV from prefill workers: the builtin and emulated engines' (not vLLM's yet)",
+            )
+        if deployment in (conductor_pb2.DEPLOYMENT_COLOCATED, conductor_pb2.DEPLOYMENT_CONDITIONAL):
             if not has_colocated:
                 raise RpcError(UNAVAILABLE, "no colocated workers are available")
-            return False
-        if not has_pd and not has_colocated:
+            return "colocated" if deployment == conductor_pb2.DEPLOYMENT_COLOCATED else "conditional"
+        if has_pd:
+            return "disaggregated"
+        if not has_colocated:
             raise RpcError(UNAVAILABLE, "no healthy workers")
-        return has_pd
+        return "conditional" if self.view.pool("prefill") and takes_kv else "colocated"
 
     def _prefix_lens(self, job: Job, pool: list[InstanceView], store: str = "") -> dict[str, int]:
         """Cached prefix length (tokens) per instance, and in the Store under ``store``, from the KV index replica."""
@@ -306,44 +324,57 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         ids = [v.instance_id for v in pool] + ([store] if store else [])
         return {i: n * block_size for i, n in self.kv.match(job.attempt_hashes(block_size), ids).items()}
 
-    async def _plan(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan:
-        """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection."""
+    async def _plan(
+        self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView], conditional: bool = False
+    ) -> Plan:
+        """Run the policy; record the decision; raise RESOURCE_EXHAUSTED on a rejection.
+
+        ``conditional``: ``decodes`` are colocated instances, which may prefill the request themselves.
+        """
         with tracer.start_as_current_span("conductor.schedule") as span:
-            outcome = await self._decide(job, prefills, decodes)
+            outcome = await self._decide(job, prefills, decodes, conditional)
             if span.is_recording() and job.decision is not None:  # the decision as JSON: only for a recorded span
                 span.set_attributes(decision_attributes(job.decision.message()))
         if isinstance(outcome, Rejection):
             log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
             self.rejections[outcome.kind] += 1
-            raise rejection_error(outcome, self.config, colocated=prefills is decodes)
+            raise rejection_error(outcome, self.config, colocated=conditional or prefills is decodes)
         log.info("request %s: %s", job.name, outcome.reason)
         if outcome.probe:
             metrics.PROBES.inc()
+        if conditional:
+            metrics.CONDITIONAL_PATHS.labels("local" if is_local(outcome) else "remote").inc()
         job.plan = outcome
         return outcome
 
-    async def _decide(self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView]) -> Plan | Rejection:
-        colocated = prefills is decodes
+    async def _decide(
+        self, job: Job, prefills: list[InstanceView], decodes: list[InstanceView], conditional: bool
+    ) -> Plan | Rejection:
+        colocated = prefills is decodes  # one pool in both roles (conditional: ``decodes`` also prefill)
         store_id = self.view.store.instance_id if self.view.store is not None and not colocated else ""
         with metrics.STAGE.labels("match").time():
-            prefix = self._prefix_lens(job, prefills, store_id)
+            prefix = self._prefix_lens(job, [*prefills, *decodes] if conditional else prefills, store_id)
         store = CopySource(store_id, prefix.pop(store_id)) if store_id in prefix else None
         now = time.monotonic()
-        ttft_cfg: WorkerConfig = self.config.colocated if colocated else self.config.prefill
-        tbt_cfg: WorkerConfig = self.config.colocated if colocated else self.config.decode
+        # A conditional request decodes on a colocated instance wherever it prefills: [colocated]'s SLOs.
+        ttft_cfg: WorkerConfig = self.config.colocated if colocated or conditional else self.config.prefill
+        tbt_cfg: WorkerConfig = self.config.colocated if colocated or conditional else self.config.decode
         slo = Slo(
             ttft_cfg.max_ttft_ms / 1e3,
             tbt_cfg.max_tbt_ms / 1e3,
             self.config.scheduler.reject_on_slo_violation,
-            ttft_overhead=self.overheads[job.path].value(now),
+            ttft_overhead=self.overheads["colocated" if conditional else job.path].value(now),
         )
         with metrics.STAGE.labels("decide").time():
-            shape = self._shape(job, prefills[0].record)
-            outcome = self.core.decide(
-                now, shape, prefix, [v.state for v in prefills], [v.state for v in decodes], slo, colocated, store,
-                job.attempt_hashes(shape.block_size),
-            )  # fmt: skip
+            shape = self._shape(job, decodes[0].record)
+            hashes = job.attempt_hashes(shape.block_size)
+            prefill_states, decode_states = [v.state for v in prefills], [v.state for v in decodes]
+            outcome = (
+                self.core.decide_conditional(now, shape, prefix, prefill_states, decode_states, slo, store, hashes)
+                if conditional
+                else self.core.decide(now, shape, prefix, prefill_states, decode_states, slo, colocated, store, hashes)
+            )
             job.decision = DecisionRecord(job.request_id, self.core.policy.config.policy, outcome, job.label)
             self.decisions.record(job.decision)
         return outcome
@@ -430,8 +461,28 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         return pool
 
     async def _disaggregated(self, job: Job) -> AsyncGenerator[Piece, None]:
-        tokens, sampling = job.tokens, job.attempt_sampling  # this attempt's, before it streams anything
         plan = await self._plan(job, await self._pool("prefill", job), await self._pool("decode", job))
+        async for piece in self._remote(job, plan):
+            yield piece
+
+    async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
+        pool = await self._pool("colocated", job)
+        plan = await self._plan(job, pool, pool)
+        async for piece in self._local(job, plan):
+            yield piece
+
+    async def _conditional(self, job: Job) -> AsyncGenerator[Piece, None]:
+        """Prefill on a prefill instance and decode on a colocated one, or both on the colocated one: by plan."""
+        mixed = await self._pool("colocated", job)
+        plan = await self._plan(job, self.view.pool("prefill", exclude=job.failed), mixed, conditional=True)
+        job.path = "colocated" if is_local(plan) else "disaggregated"
+        pieces = self._local(job, plan) if is_local(plan) else self._remote(job, plan)
+        async for piece in pieces:
+            yield piece
+
+    async def _remote(self, job: Job, plan: Plan) -> AsyncGenerator[Piece, None]:
+        """Prefill on the plan's prefill instance into the decode instance's blocks; stream the decode."""
+        tokens, sampling = job.tokens, job.attempt_sampling  # this attempt's, before it streams anything
         p = self.view.instances[plan.prefill.instance_id]
         d = self.view.instances[plan.decode_instance]
         self._assign(job, plan, p, d)
@@ -633,9 +684,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             r.kv_bytes_sent, d.instance_id, r.transfer_seconds * 1e3, r.transfer_exposed_seconds * 1e3,
         )  # fmt: skip
 
-    async def _colocated(self, job: Job) -> AsyncGenerator[Piece, None]:
-        pool = await self._pool("colocated", job)
-        plan = await self._plan(job, pool, pool)
+    async def _local(self, job: Job, plan: Plan) -> AsyncGenerator[Piece, None]:
+        """Prefill and decode on the plan's colocated instance."""
         c = self.view.instances[plan.prefill.instance_id]
         self._assign(job, plan, c, c)
         sampling = job.attempt_sampling

@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 
 from kvconductor.v1 import conductor_pb2
 from scheduler.candidates import PrefillEstimate
+from scheduler.disaggregation import is_local
 from scheduler.policy import Plan, Rejection
 
 
@@ -59,6 +60,9 @@ def to_decision(request_id: str, policy: str, outcome: Plan | Rejection, label: 
             ttft_overhead_ms=plan.ttft_overhead * 1e3,
         )
     )
+    if plan.alternative is not None:  # conditional disaggregation: both paths' plans
+        decision.path = "local" if is_local(plan) else "remote"
+        decision.alternative.CopyFrom(to_decision(request_id, policy, plan.alternative))
     return decision
 
 

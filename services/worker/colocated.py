@@ -1,7 +1,9 @@
 """The colocated worker: prefill and decode in one engine, the non-disaggregated baseline.
 
 Prefill chunks and decode steps of different requests share one engine loop, so a long prompt stalls
-the decode steps of everyone else: the interference that disaggregation removes.
+the decode steps of everyone else: the interference that disaggregation removes. Beside prefill workers
+(conditional disaggregation, ``scheduler/disaggregation.py``) it also serves ``Decode``: a request the
+Conductor chose to prefill on a prefill worker has its KV written into blocks reserved here and decodes here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from kvconductor.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2
 from services.common.rpc import Service
+from services.worker import decode
 from services.worker.worker import Worker, sampling_from_proto, token_chunk
 
 
@@ -42,11 +45,15 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServicer):
                         first = False
 
 
-def services(worker: Worker) -> list[Service]:
-    """Everything a colocated worker serves."""
+def services(worker: Worker) -> tuple[list[Service], decode.DecodeServicer]:
+    """Everything a colocated worker serves (``Colocated``, ``Decode``, ``Worker``), and its decode servicer.
+
+    The caller runs the servicer's expiry task.
+    """
     colocated = Service(
         "kvconductor.v1.Colocated",
         ColocatedServicer(worker),
         colocated_pb2_grpc.add_ColocatedServicer_to_server,
     )
-    return [colocated, *worker.services()]
+    decoding, decoder = decode.services(worker)
+    return [colocated, *decoding], decoder

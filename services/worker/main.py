@@ -60,12 +60,12 @@ async def run(
     if role == "prefill":
         services, prefiller = prefill.services(worker)
         background.append(asyncio.create_task(prefiller.exports.expire()))
-    elif role == "decode":
-        services, decoder = decode.services(worker)
+    else:  # a colocated worker decodes requests prefilled elsewhere too (conditional disaggregation)
+        services, decoder = decode.services(worker) if role == "decode" else colocated.services(worker)
         background.append(asyncio.create_task(decoder.expire_reservations()))
-    else:
-        endpoint = endpoint_of(worker) if endpoint_of is not None else None
-        services = [*colocated.services(worker), *(endpoint.services() if endpoint is not None else ())]
+        if role == "colocated" and endpoint_of is not None:
+            endpoint = endpoint_of(worker)
+            services += endpoint.services()
 
     async def on_stop() -> None:
         for task in background:

@@ -15,8 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvconductor.v1 import conductor_pb2, worker_pb2, worker_pb2_grpc
-from services.common.instance_record import InstanceRecord
-from services.common.registry import Registry
 
 
 def _spans(run_dir: Path) -> list[dict]:
@@ -24,22 +22,6 @@ def _spans(run_dir: Path) -> list[dict]:
     for path in sorted((run_dir / "traces").glob("*.jsonl")):
         spans += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return spans
-
-
-def _records(cluster) -> dict[tuple[str, str], InstanceRecord]:
-    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        return registry.list()
-
-
-def _scrape(address: str) -> dict[str, float]:
-    """Prometheus samples by 'name{labels}'."""
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def test_one_trace_spans_gateway_conductor_prefill_transfer_and_decode(cluster):
@@ -86,23 +68,23 @@ def test_metrics_endpoints_report_traffic(cluster):
     for n in (50, 120):
         helpers.grpc_generate(cluster, list(range(1, n)), conductor_pb2.DEPLOYMENT_DISAGGREGATED)
     httpx.get(f"{cluster.rest}/models", timeout=10)
-    records = _records(cluster)
-    conductor = _scrape(records[("conductor", "conductor-0")].metrics_address)
+    records = helpers.records(cluster)
+    conductor = helpers.scrape(records[("conductor", "conductor-0")].metrics_address)
     assert conductor['kvconductor_requests_total{outcome="completed",path="disaggregated"}'] >= 2
     assert conductor['kvconductor_ttft_seconds_count{path="disaggregated"}'] >= 2
     assert conductor['kvconductor_ttft_seconds_sum{path="disaggregated"}'] > 0
     assert conductor["kvconductor_prompt_tokens_total"] >= 49 + 119
     assert conductor['kvconductor_prediction_relative_error_count{metric="ttft"}'] >= 2
+    sent = 'kvconductor_kv_transfer_bytes_total{direction="sent"}'
     prefill_sent = sum(
-        _scrape(records[("prefill", i)].metrics_address).get('kvconductor_kv_transfer_bytes_total{direction="sent"}', 0)
-        for i in ("prefill-0", "prefill-1")
+        helpers.scrape(records[("prefill", i)].metrics_address).get(sent, 0) for i in ("prefill-0", "prefill-1")
     )
     assert prefill_sent > 0
-    decode = _scrape(records[("decode", "decode-0")].metrics_address)
+    decode = helpers.scrape(records[("decode", "decode-0")].metrics_address)
     assert decode['kvconductor_kv_transfer_bytes_total{direction="received"}'] == prefill_sent
     assert decode['kvconductor_kv_blocks{state="free"}'] > 0
     assert 'kvconductor_queue_length{state="running"}' in decode
-    gateway = _scrape(cluster.rest.removesuffix("/v1").removeprefix("http://"))
+    gateway = helpers.scrape(cluster.rest.removesuffix("/v1").removeprefix("http://"))
     assert gateway['kvconductor_http_requests_total{route="/v1/models",status="200"}'] >= 1
 
 

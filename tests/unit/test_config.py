@@ -47,6 +47,15 @@ def test_the_other_deploy_configs_load(path, backend):
             "[prefill] max_tbt_ms: is never read: the SLO of this path is [decode]",
         ),
         ({"gateway": {"api_keys": ["k", " "]}}, "[gateway] api_keys: an empty key would let anyone in"),
+        (
+            {
+                "engine": {"backend": "vllm"},
+                "prefill": {"prefix_cache_block_size": 32},
+                "decode": {"prefix_cache_block_size": 32, "node_count": 0},
+                "colocated": {"prefix_cache_block_size": 32, "node_count": 1},
+            },
+            "[prefill] node_count: prefill workers beside colocated ones",
+        ),
         ({"store": {"read_timeout_s": 0}}, "[store] read_timeout_s: must be > 0"),
         ({"emulation": {"kv_bytes_per_token": 24}}, "[emulation] kv_bytes_per_token: must be a positive multiple"),
         (

@@ -1,4 +1,4 @@
-"""deploy/k8s: the base and both overlays render, every object is valid Kubernetes, and they fit together:
+"""deploy/k8s: the base and every overlay render, every object is valid Kubernetes, and they fit together:
 each pod's certificate names the role it runs (issue-cert.sh, run here against a CA made here), and the
 NetworkPolicies admit the calls the code makes and little else.
 
@@ -22,12 +22,12 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from services.common.access import CALLERS, ROLES, SPIFFE_PREFIX
-from services.common.config import Config, check_trust, load_config
+from services.common.config import Config, ConfigError, check_trust, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = Path(sys.executable).parent / "kubectl"
 K8S_VERSION = "1.37.0"
-TREES = ["base", "overlays/cpu", "overlays/gpu"]
+TREES = ["base", "overlays/cpu", "overlays/gpu", "overlays/mixed"]
 # Made by the user before the first apply (docs/kubernetes.md, step 2 "Secrets"), so absent from the render.
 USER_MADE = {("Secret", "kvconductor-ca"), ("Secret", "kvconductor-api-keys"),
              ("PersistentVolumeClaim", "kvconductor-models")}  # fmt: skip
@@ -112,6 +112,33 @@ def test_the_gpu_overlay_runs_vllm_over_rdma():
         assert template["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def images(objects: list[dict]) -> set[str]:
+    return {c["image"] for _, t in pod_specs(objects) for c in t["spec"]["containers"] + t["spec"]["initContainers"]}
+
+
+def test_the_mixed_overlay_runs_prefill_and_colocated_workers_and_no_decode_workers(tmp_path):
+    """Conditional disaggregation: the cpu overlay's cluster with colocated workers in place of decode workers."""
+    objects = render("overlays/mixed")
+    workloads = {o["spec"]["template"]["metadata"]["labels"][COMPONENT]: o for o in objects if o["kind"] in WORKLOADS}
+    assert {"prefill", "colocated"} <= workloads.keys() and "decode" not in workloads
+    assert not [o for o in objects if o["metadata"]["name"] == "kvconductor-decode"]  # nor its budget
+    configs = pod_configs(objects, tmp_path)
+    assert {args[1] for args, _ in configs.values()} >= {"prefill", "colocated"}
+    shapes = {(c.prefill.node_count, c.decode.node_count, c.colocated.node_count, c.scheduler.disaggregation,
+               c.engine.backend) for _, c in configs.values()}  # fmt: skip
+    assert shapes == {(1, 0, 2, "cost", "builtin")}  # every pod reads the same file
+    assert [workloads[r]["spec"]["replicas"] for r in ("prefill", "colocated")] == [1, 2]  # what the config says
+    vllm = ["engine.backend=vllm"] + [f"{s}.prefix_cache_block_size=32" for s in ("prefill", "decode", "colocated")]
+    with pytest.raises(ConfigError, match="conditional disaggregation"):  # the built-in engine only
+        load_config(tmp_path / "config.toml", vllm)
+    # The cpu overlay's image and worker resources, and the certificate the other workers get.
+    assert images(objects) == images(render("overlays/cpu"))
+    prefill, colocated = (workloads[r]["spec"]["template"]["spec"] for r in ("prefill", "colocated"))
+    assert colocated["containers"][0]["resources"] == prefill["containers"][0]["resources"]
+    assert colocated["initContainers"] == prefill["initContainers"]
+    assert workloads["colocated"]["metadata"]["namespace"] == workloads["prefill"]["metadata"]["namespace"]
+
+
 def test_every_service_and_budget_selects_pods(objects):
     labels = [t["metadata"]["labels"] for _, t in pod_specs(objects)]
     for obj in objects:
@@ -168,7 +195,7 @@ def test_every_referenced_configmap_secret_and_claim_exists(objects):
         assert not missing, f"{name} refers to {missing}"
 
 
-# --- Roles in the certificates (deploy/k8s/base/issue-cert.sh, tls-patch.yaml) ---------------------------
+# --- Roles in the certificates (deploy/k8s/base/issue-cert.sh, deploy/k8s/components/tls) -----------------
 
 COMPONENT = "app.kubernetes.io/component"
 ISSUER = ROOT / "deploy/k8s/base/issue-cert.sh"
@@ -275,8 +302,12 @@ def test_the_etcd_roles_job_gets_the_root_certificate_and_reaches_etcd(objects):
 OUTSIDE = None  # a client in another namespace or outside the cluster
 TRANSFER_PORT = 40123  # the transfer engine and the Store clients listen on ports chosen at start
 # What each component serves on its gRPC port (the services of protos/kvconductor/v1 it registers).
+# A colocated worker also serves a Conductor of its own, which only its OpenAI endpoint calls, from the same
+# pod with the worker's certificate (cli/worker_endpoint.py): so access.py lets role colocated call the
+# Conductor service, but no colocated worker calls the cluster's Conductor, nor anyone else its own.
 SERVES = {"conductor": ["Conductor"], "kvmeta": ["KvMeta"], "prefill": ["Prefill", "Worker"],
-          "decode": ["Decode", "Worker"], "store": []}  # fmt: skip
+          "decode": ["Decode", "Worker"], "colocated": ["Colocated", "Decode", "Worker"], "store": []}  # fmt: skip
+NOT_CALLED = {("colocated", "conductor")}  # (caller, target): allowed by access.py, never made across pods
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -344,7 +375,7 @@ def test_every_call_access_py_allows_between_deployed_roles_is_admitted(objects)
             continue  # the gpu overlay runs no store
         for service in services:
             methods = [roles for key, roles in CALLERS.items() if key.startswith(f"/kvconductor.v1.{service}/")]
-            for caller in set().union(*methods) & deployed.keys():
+            for caller in set().union(*methods) & deployed.keys() - {c for c, t in NOT_CALLED if t == target}:
                 port = grpc_port(objects, target)
                 assert admits(objects, deployed[caller], deployed[target], port), f"{caller} -> {target} {service}"
 
@@ -355,7 +386,9 @@ def test_only_the_pods_that_need_them_reach_the_services(objects):
             ("prefill", "kvmeta", 50100), ("prefill", "prefill", 50100), ("etcd", "etcd", 2380),
             ("prefill", "decode", TRANSFER_PORT), ("decode", "prefill", TRANSFER_PORT),
             ("decode", "decode", TRANSFER_PORT), ("prefill", "store", 50051), ("decode", "store", 50051),
-            (OUTSIDE, "etcd", 2381)]  # fmt: skip
+            (OUTSIDE, "etcd", 2381), ("conductor", "colocated", 50100), ("colocated", "kvmeta", 50100),
+            ("prefill", "colocated", TRANSFER_PORT), ("colocated", "prefill", TRANSFER_PORT),
+            ("colocated", "colocated", TRANSFER_PORT), ("colocated", "colocated", 50100)]  # fmt: skip
     for component in p.keys() - {"etcd", "gateway"}:
         must += [(OUTSIDE, component, 9400), (component, "etcd", 2379)]  # Prometheus; every process registers
     must_not = [("gateway", "kvmeta", 50100), ("gateway", "prefill", 50100), ("gateway", "decode", 50100),
@@ -365,9 +398,12 @@ def test_only_the_pods_that_need_them_reach_the_services(objects):
                 ("conductor", "store", 50051), ("prefill", "store", 50100), ("prefill", "etcd", 2380),
                 ("gateway", "etcd", 2380), (OUTSIDE, "conductor", 8998), (OUTSIDE, "etcd", 2379),
                 (OUTSIDE, "kvmeta", 50100), (OUTSIDE, "prefill", 50100), (OUTSIDE, "decode", TRANSFER_PORT),
-                (OUTSIDE, "store", 50051), (OUTSIDE, "store", 50100)]  # fmt: skip
+                (OUTSIDE, "store", 50051), (OUTSIDE, "store", 50100), ("gateway", "colocated", 50100),
+                ("gateway", "colocated", TRANSFER_PORT), ("kvmeta", "colocated", 50100),
+                ("colocated", "conductor", 8998), ("colocated", "store", 50051), (OUTSIDE, "colocated", 50100),
+                (OUTSIDE, "colocated", TRANSFER_PORT)]  # fmt: skip
     for (source, target, port), admitted in [(c, True) for c in must] + [(c, False) for c in must_not]:
-        if target in p and (source is OUTSIDE or source in p):  # the gpu overlay runs no store
+        if target in p and (source is OUTSIDE or source in p):  # the gpu overlay runs no store, few run colocated
             assert admits(objects, p.get(source), p[target], port) == admitted, f"{source} -> {target}:{port}"
 
 

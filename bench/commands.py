@@ -6,8 +6,9 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``kvconductor bench serve``, ``compare`` and ``results`` (flags: each module's ``add_arguments``)."""
-    from bench import freshness
+    """Add ``kvconductor bench serve``, ``compare``, ``results`` and ``kvconductor plan`` (flags: each module's
+    ``add_arguments``; each runs its ``main`` as the parsed arguments' ``plugin_main``)."""
+    from bench import freshness, plan
     from bench.compare import cli as compare_cli
     from bench.serve import cli as serve_cli
 
@@ -21,4 +22,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p = kinds.add_parser(name, help=help_, description=module.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         module.add_arguments(p)
-        p.set_defaults(bench_main=module.main)
+        p.set_defaults(plugin_main=module.main)
+    planner = sub.add_parser(
+        "plan",
+        help="size a cluster with the simulator: the P:D split, instances and knobs",
+        description=plan.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_arguments(planner)
+    planner.set_defaults(plugin_main=plan.main)

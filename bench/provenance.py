@@ -7,7 +7,9 @@ names another: committed results under ``bench/results/`` change only when asked
 
 from __future__ import annotations
 
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,3 +31,14 @@ def git_state() -> str:
 def fresh_out(kind: str) -> str:
     """A new folder for one run's outputs: ``runs/bench/<kind>-<timestamp>``."""
     return str(REPO / "runs" / "bench" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed, its API key hidden."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    for i, word in enumerate(words):
+        if word == "--api-key" and i + 1 < len(words):
+            words[i + 1] = "***"
+        elif word.startswith("--api-key="):
+            words[i] = "--api-key=***"
+    return "kvconductor " + shlex.join(words)

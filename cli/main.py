@@ -25,6 +25,7 @@ kvconductor: KVCache-centric, prefill/decode-disaggregated LLM serving with a gl
   kvconductor generate --model M --prompt "Hello"       one prompt through the engine in this process
   kvconductor bench serve --base-url URL --model M      streaming load against any OpenAI-compatible URL
   kvconductor bench compare [--sweep]                   colocated vs. disaggregated on the same workload
+  kvconductor plan --rate 6 --ttft-slo-ms 5000 --tbt-slo-ms 300   the smallest cluster for a rate (simulated)
 """
 PLUGIN_GROUP = "kvconductor.commands"  # entry points: callables that add a subcommand to the parser
 
@@ -167,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             from engine.generate_cli import main as generate_main
 
             return generate_main(args)
-        if args.command == "bench":
-            return int(args.bench_main(args))
+        if getattr(args, "plugin_main", None) is not None:  # bench, plan (bench/commands.py)
+            return int(args.plugin_main(args))
         config = load_config(args.config, args.set)
         # whose certificate this process presents
         role = {"serve": getattr(args, "role", ""), "etcd-roles": "root"}.get(args.command, "admin")

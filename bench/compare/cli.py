@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import signal
 import sys
 import time
@@ -32,7 +31,7 @@ from bench.compare import report
 from bench.compare.cluster import colocated, disaggregated
 from bench.compare.measure import measure
 from bench.compare.routers import DEFAULT_CONTENDERS
-from bench.provenance import fresh_out, git_state
+from bench.provenance import command_line, fresh_out, git_state
 from bench.serve.cli import add_slo_arguments, add_workload_arguments
 from bench.serve.metrics import jsonable
 from cli.local_cluster import REPO, TINY_MODEL
@@ -91,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--contenders",
         nargs="+",
         metavar="SPEC",
-        help="conductor, conductor:disaggregated or ROUTER:POLICY (ROUTER: sglang, vllm, vllm-pd; default "
+        help="conductor, conductor:disaggregated, conductor:conditional (prefill workers beside colocated ones) or "
+        "ROUTER:POLICY (ROUTER: sglang, vllm, vllm-pd, dynamo, dynamo-pd; default "
         f"{' '.join(DEFAULT_CONTENDERS['builtin'])}; with --engine vllm {' '.join(DEFAULT_CONTENDERS['vllm'])})",
     )
     r.add_argument("--cluster-json", help="use this running cluster's cluster.json instead of starting one")
@@ -176,7 +176,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``bench compare``; 0 on success, 1 on a clear error."""
-    args.command_line = "kvconductor " + shlex.join(sys.argv[1:])
+    args.command_line = command_line()
     signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters and routers it started, as on Ctrl-C
     # builtin: a small random model (fast to start, nothing to convert); vllm: the config's real model
     # (deploy/vllm.toml: SmolLM2-135M-Instruct, 32-token blocks); the user's --set overrides come last.

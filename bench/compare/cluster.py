@@ -19,3 +19,9 @@ def disaggregated(workers: int = 2, prefill: int | None = None) -> tuple[str, ..
     """The node counts of ``split``'s prefill and decode workers."""
     p, d = split(workers, prefill)
     return (f"prefill.node_count={p}", f"decode.node_count={d}", "colocated.node_count=0")
+
+
+def conditional(workers: int = 2, prefill: int | None = None) -> tuple[str, ...]:
+    """``split``'s prefill workers beside colocated ones (which decode, and prefill when the Conductor says so)."""
+    p, c = split(workers, prefill)
+    return (f"prefill.node_count={p}", "decode.node_count=0", f"colocated.node_count={c}")

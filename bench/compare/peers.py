@@ -50,27 +50,32 @@ class Contender:
     spec: str  # "conductor", "sglang:cache_aware", ...
     router: str | None
     policy: str
-    # "colocated", "disaggregated" (our clusters), "vllm-pd" (stock vLLM servers), "dynamo" or "dynamo-pd" (mockers)
+    # "colocated", "disaggregated", "conditional" (our clusters), "vllm-pd" (stock vLLM servers), "dynamo" or
+    # "dynamo-pd" (mockers)
     deployment: str
 
     @property
     def label(self) -> str:
         """Table label, e.g. ``sglang-router cache_aware``."""
         if self.router is None:
-            return f"conductor{' PD' if self.deployment == 'disaggregated' else ''} ({self.policy})"
+            kind = {"disaggregated": " PD", "conditional": " conditional"}.get(self.deployment, "")
+            return f"conductor{kind} ({self.policy})"
         if self.router in ("dynamo", "dynamo-pd"):
             return f"dynamo{' PD' if self.router == 'dynamo-pd' else ''} {self.policy} (its mocker workers)"
         return f"{ROUTER_PACKAGES[self.router]}{' PD' if self.router == 'vllm-pd' else ''} {self.policy}"
 
 
 def parse_contender(spec: str, conductor_policy: str = "kvcache_centric") -> Contender:
-    """``conductor``, ``conductor:disaggregated`` or ``ROUTER:POLICY``; ValueError for anything else."""
-    if spec in ("conductor", "conductor:colocated", "conductor:disaggregated"):
+    """``conductor``, ``conductor:disaggregated``, ``conductor:conditional`` or ``ROUTER:POLICY``; ValueError else."""
+    if spec in ("conductor", "conductor:colocated", "conductor:disaggregated", "conductor:conditional"):
         return Contender(spec, None, conductor_policy, spec.partition(":")[2] or "colocated")
     router, _, policy = spec.partition(":")
     if router not in ROUTER_MODULES or policy not in ROUTER_POLICIES[router]:
         choices = ", ".join(f"{r}:{p}" for r, ps in ROUTER_POLICIES.items() for p in ps)
-        raise ValueError(f"unknown contender {spec!r}: use conductor, conductor:disaggregated or one of {choices}")
+        raise ValueError(
+            f"unknown contender {spec!r}: use conductor, conductor:disaggregated, conductor:conditional "
+            f"or one of {choices}"
+        )
     return Contender(spec, router, policy, router if router in ("vllm-pd", "dynamo", "dynamo-pd") else "colocated")
 
 

@@ -24,6 +24,9 @@ is stopped:
 
 - ``conductor:disaggregated``: a prefill/decode cluster (one prefill, one decode worker) behind our
   gateway: the Conductor's Algorithm 1 with KV moving prefill -> decode;
+- ``conductor:conditional``: the same split of prefill workers beside colocated ones (no decode workers):
+  each request prefills on a prefill worker or on the colocated worker that decodes it, by
+  ``[scheduler] disaggregation`` (``--set scheduler.disaggregation='"dynamo"'`` runs Dynamo's rule there);
 - ``vllm-pd:POLICY`` (``--engine vllm`` only): ``vllm-router``'s own prefill/decode mode
   (``--vllm-pd-disaggregation --kv-connector mooncake``) over two stock vLLM OpenAI servers that run our
   workers' engine arguments (``bench/compare/vllm_server.py``): vllm-router passes ``kv_transfer_params``
@@ -69,7 +72,7 @@ from typing import Any
 import httpx
 
 from bench.compare import capacity, report
-from bench.compare.cluster import colocated, disaggregated
+from bench.compare.cluster import colocated, conditional, disaggregated
 from bench.compare.dynamo_live import dynamo_frontend, dynamo_workers
 from bench.compare.peers import (
     KV_AWARE_NOTE,
@@ -248,6 +251,8 @@ def deployment_overrides(deployment: str, args: argparse.Namespace) -> tuple[str
     """The node counts of one of our deployments on ``--workers`` slots (``--prefill-workers`` of them prefill)."""
     if deployment == "colocated":
         return colocated(args.workers)
+    if deployment == "conditional":
+        return conditional(args.workers, args.prefill_workers)
     return disaggregated(args.workers, args.prefill_workers)
 
 

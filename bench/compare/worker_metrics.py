@@ -25,13 +25,14 @@ def cluster_workers(manifest: dict[str, Any], deployment: str = "colocated") -> 
     """The workers registered in the cluster that ``manifest`` (cluster.json) describes.
 
     Colocated: every colocated worker with an ``openai_url`` (the routers' targets); disaggregated: every
-    prefill and decode worker.
+    prefill and decode worker; conditional: every prefill and colocated worker.
     """
     from services.common.instance_record import WorkerRecord
     from services.common.registry import Registry
 
     registry = Registry(manifest["etcd"], manifest["cluster"])
-    roles = ("colocated",) if deployment == "colocated" else ("prefill", "decode")
+    by_deployment = {"colocated": ("colocated",), "conditional": ("prefill", "colocated")}
+    roles = by_deployment.get(deployment, ("prefill", "decode"))
     workers = [
         WorkerInfo(
             instance_id, record.openai_url, record.metrics_address, record.kv_events_endpoint, record.block_size

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.provenance import fresh_out, git_state
+from bench.provenance import command_line, fresh_out, git_state
 from bench.serve import metrics
 from bench.serve.runner import Target, check_target, run
 from bench.serve.workloads import DEFAULT_TRACE, BenchRequest, TraceScale, load_trace, random_lengths, shared_prefix
@@ -166,17 +165,6 @@ def main(args: argparse.Namespace) -> int:
     out.with_suffix(".md").write_text(f"`{record['command']}` (code {record['code']})\n\n```\n{table}\n```\n")
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return 0
-
-
-def command_line(argv: list[str] | None = None) -> str:
-    """The command as typed, its API key hidden."""
-    words = list(sys.argv[1:] if argv is None else argv)
-    for i, word in enumerate(words):
-        if word == "--api-key" and i + 1 < len(words):
-            words[i + 1] = "***"
-        elif word.startswith("--api-key="):
-            words[i] = "--api-key=***"
-    return "kvconductor " + shlex.join(words)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve.cli import add_arguments, build_workload, command_line, pacing
+from bench.provenance import command_line
+from bench.serve.cli import add_arguments, build_workload, pacing
 from bench.serve.client import RequestResult, error_reason
 from bench.serve.metrics import percentile, summarize, within_slo
 from bench.serve.runner import _open_loop, arrival_times, poisson_arrivals

@@ -135,16 +135,17 @@ class Bed:
     def capacity(self, candidate: Candidate, knobs: Knobs, around: float) -> Bisection:
         """The candidate's SLO capacity to within 5%: a bracket found by doubling (or halving) from ``around``,
         then bisected (``bench/compare/capacity.py``); at most ``BRACKET_STEPS`` doublings each way."""
-        rate, share = around, self.attainment(candidate, knobs, around)
+        rate = max(0.01, round(around, 2))
+        share = self.attainment(candidate, knobs, rate)
         probes, step = {rate: share}, 2.0 if share >= ATTAINMENT else 0.5
         for _ in range(BRACKET_STEPS):
-            rate *= step
+            rate = max(0.01, round(rate * step, 2))
             probes[rate] = self.attainment(candidate, knobs, rate)
             if (probes[rate] >= ATTAINMENT) != (share >= ATTAINMENT):
                 break
         search = Bisection(min(probes), max(probes), probes, expansions=EXPANSIONS)  # the bracket is known
-        while (rate := search.next_rate(TOLERANCE)) is not None:
-            search.probes[rate] = self.attainment(candidate, knobs, rate)
+        while (probe := search.next_rate(TOLERANCE)) is not None:
+            search.probes[probe] = self.attainment(candidate, knobs, probe)
         return search
 
 

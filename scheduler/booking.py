@@ -57,6 +57,9 @@ class Booking:
     decode_started: float | None = None
     new_tokens: int = 0  # prompt tokens its prefill computes (the rest is reused)
     prompt_blocks: Sequence[Hashable] = ()  # chained hashes of the prompt's full blocks (cached after its prefill)
+    # On a colocated instance: the steps of its decode that prompts prefilled there stall, booked as they were
+    # (steps, seconds longer each): its TBT, the mean of its longest gaps, feels them.
+    stalls: tuple[tuple[int, float], ...] = ()
 
     def progress(self, now: float, tokens_out: int, expected_tokens: int) -> None:
         """``tokens_out`` output tokens are out by ``now`` of the ``expected_tokens`` it is now expected to produce.
@@ -75,9 +78,9 @@ class Booking:
         """The request as part of a decode batch, relative to ``now``."""
         if self.decode_started is None:  # not decoding yet, even if its prefill runs late
             join = max(OVERDUE_S, self.expected_join - now)
-            return Resident(join, join + self.expected_decode_s, self.context_tokens)
+            return Resident(join, join + self.expected_decode_s, self.context_tokens, self.stalls)
         join = self.decode_started - now
-        return Resident(join, max(OVERDUE_S, join + self.expected_decode_s), self.context_tokens)
+        return Resident(join, max(OVERDUE_S, join + self.expected_decode_s), self.context_tokens, self.stalls)
 
 
 class Bookings:

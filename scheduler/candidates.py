@@ -76,6 +76,7 @@ class Resident:
     t_join: float  # when it starts decoding (<= 0: decoding already)
     t_leave: float  # when it is expected to finish
     context: int  # tokens it attends to
+    stalls: tuple[tuple[int, float], ...] = ()  # its steps stalled by prompts prefilled there (Booking.stalls)
 
 
 @dataclass(slots=True)

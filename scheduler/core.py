@@ -14,16 +14,19 @@ request, and the booking goes to that same instance (``Plan.decode_instance``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.booking import Booking
 from scheduler.candidates import RequestShape, Slo
 from scheduler.cost_model import LinkModels
-from scheduler.disaggregation import choose_path, stalls_past_tbt
+from scheduler.disaggregation import Queued, choose_path, stalled_by_queued_prompts, stalled_steps, stalls_past_tbt
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
+
+LOCAL_RETRIES = 2  # colocated instances skipped per request for stalling their decodes, before a rejection
 
 
 @dataclass
@@ -52,24 +55,52 @@ class ConductorCore:
         ``block_hashes``: the prompt's chained hashes of ``shape.block_size``-token blocks, matched against the
         prompts queued on each instance (the prefix it will hold when the request runs there).
         """
+        if colocated:
+            return self._decide_local(now, shape, prefix_lens, decodes, slo, block_hashes)
         hashes, bs = block_hashes, shape.block_size
-        if colocated:  # the same instances in both roles: their decode batch computed once each
-            batches = {d.instance_id: d.residents(now) for d in decodes}
-            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, batches[p.instance_id], hashes, bs)
-                       for p in prefills]  # fmt: skip
-            decode = [d.decode_candidate(now, batches[d.instance_id]) for d in decodes]
-        else:
-            prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, None, hashes, bs) for p in prefills]
-            decode = [d.decode_candidate(now) for d in decodes]
-        return self.policy.schedule(
-            prefill,
-            decode,
-            shape,
-            slo,
-            None if colocated else self.links,
-            colocated=colocated,
-            store=store,
-        )
+        prefill = [p.prefill_candidate(prefix_lens.get(p.instance_id, 0), now, None, hashes, bs) for p in prefills]
+        decode = [d.decode_candidate(now) for d in decodes]
+        return self.policy.schedule(prefill, decode, shape, slo, self.links, store=store)
+
+    def _decide_local(
+        self,
+        now: float,
+        shape: RequestShape,
+        prefix_lens: Mapping[str, int],
+        pool: Sequence[InstanceState],
+        slo: Slo,
+        block_hashes: Sequence[Hashable],
+    ) -> Plan | Rejection:
+        """Algorithm 1 over colocated instances, skipping one whose prompt's chunks would stall its decodes.
+
+        The instances' decode batches are computed once each (both roles). With SLO admission, a plan whose
+        prompt would push a request decoding there past the TBT SLO (``stalls_past_tbt``, the prompts queued
+        there counted) is re-planned without that instance, ``LOCAL_RETRIES`` times at most, then refused.
+        """
+        hashes, bs = block_hashes, shape.block_size
+        skipped: list[tuple[str, str]] = []  # (instance, why)
+        pool = list(pool)
+        for _ in range(LOCAL_RETRIES + 1):
+            batches = {m.instance_id: m.residents(now) for m in pool}
+            prefill = [m.prefill_candidate(prefix_lens.get(m.instance_id, 0), now, batches[m.instance_id], hashes, bs)
+                       for m in pool]  # fmt: skip
+            decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
+            plan = self.policy.schedule(prefill, decode, shape, slo, None, colocated=True)
+            if not isinstance(plan, Plan) or not slo.reject:
+                return plan
+            there = next(m for m in pool if m.instance_id == plan.decode_instance)
+            chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)
+            why = stalls_past_tbt(plan, decode[pool.index(there)], slo.max_tbt, chunks)
+            if not why:
+                note = "".join(f"; not {i}: {w}" for i, w in skipped)
+                return replace(plan, reason=plan.reason + note) if note else plan
+            skipped.append((there.instance_id, why))
+            pool.remove(there)
+            refused = plan
+            if not pool:
+                break
+        reason = skipped[0][1] if len(skipped) == 1 else "; ".join(f"on {i}: {w}" for i, w in skipped)
+        return Rejection(reason, refused, "tbt_slo")
 
     def decide_conditional(
         self,
@@ -88,13 +119,17 @@ class ConductorCore:
         """
         local = self.decide(now, shape, prefix_lens, mixed, mixed, slo, True, None, block_hashes)
         on = {m.instance_id: m for m in mixed}
-        if isinstance(local, Plan) and slo.reject:
-            why = stalls_past_tbt(local, on[local.decode_instance].decode_candidate(now), slo.max_tbt)
-            if why:
-                local = Rejection(why, local, "tbt_slo")
         if not prefills:
             return choose_path(self.policy.config, None, local, shape, _no_share)
         remote = self.decide(now, shape, prefix_lens, prefills, mixed, slo, False, store, block_hashes)
+
+        def stalled(plan: Plan, m: InstanceState) -> str:
+            return stalled_by_queued_prompts(plan, m.decode_candidate(now), _queued(m, now), shape, slo.max_tbt)
+
+        if isinstance(remote, Plan) and slo.reject and (why := stalled(remote, on[remote.decode_instance])):
+            calm = [m for m in mixed if not stalled(remote, m)]  # decode where no queued prompt stalls it
+            again = calm and self.decide(now, shape, prefix_lens, prefills, calm, slo, False, store, block_hashes)
+            remote = again if isinstance(again, Plan) else Rejection(why, remote, "tbt_slo")
 
         def share(instance_id: str, start: float) -> float:
             return decode_share(on[instance_id].decode_candidate(now), shape, start)
@@ -108,12 +143,30 @@ class ConductorCore:
 
         The decode footprint lasts ``shape.output_tokens`` (from ``expected_output_tokens``) x the plan's TBT.
         ``block_hashes``: the prompt's full blocks, which p holds once the prefill is done (``decide`` counts
-        them for the requests queued behind it).
+        them for the requests queued behind it). On a colocated d the steps that prompts prefilled there stall
+        are booked on the requests decoding there (``Booking.stalls``): a prompt prefilled on d stalls those
+        decoding while it runs, and a request prefilled elsewhere is stalled by the prompts queued on d.
         """
         n, e, expected_tokens = shape.num_prompt_tokens, plan.prefill, shape.output_tokens
+        decode = Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt)
+        if d.role == "colocated":
+            if p is d and e.t_prefill > 0:
+                chunks = _chunks(n - e.prefix_len, d.chunk_tokens)
+                start, end, stall = e.t_queue, e.t_queue + e.t_prefill, e.t_prefill / chunks
+                residents = {rid: b.resident(now) for rid, b in d.decoding.items.items()}
+                batch = [r for r in residents.values() if r.t_join <= start < r.t_leave]
+                step = d.decode_model.predict(max(1, len(batch)), sum(r.context for r in batch))
+                for rid, booking in d.decoding.items.items():
+                    if hit := stalled_steps(chunks, start, end, residents[rid], step):
+                        booking.stalls = (*booking.stalls, (hit, stall))
+                        booking.expected_decode_s += hit * stall  # it decodes that much longer
+            elif (queued := _queued(d, now)).chunks:
+                hit, stall = queued.stalls(e.ttft, e.ttft + decode.expected_decode_s)
+                decode.stalls = ((hit, stall),)
+                decode.expected_decode_s += hit * stall
         full = block_hashes[: n // shape.block_size]
         p.prefilling.add(request_id, Booking(now, e.t_prefill, n, 0, new_tokens=n - e.prefix_len, prompt_blocks=full))
-        d.decoding.add(request_id, Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt))
+        d.decoding.add(request_id, decode)
 
     def expected_output_tokens(self, max_tokens: int, fixed: bool = False, produced: int = 0) -> int:
         """Completion tokens a request allowed ``max_tokens`` that has ``produced`` is expected to produce.
@@ -157,3 +210,14 @@ class ConductorCore:
 
 def _no_share(instance_id: str, start: float) -> float:
     return 0.0
+
+
+def _queued(m: InstanceState, now: float) -> Queued:
+    """The prompts queued to prefill on a colocated instance."""
+    waiting, tokens = m.prefilling.in_prefill()
+    return Queued(m.t_queue(now), max(waiting, _chunks(tokens, m.chunk_tokens)))
+
+
+def _chunks(new_tokens: int, chunk_tokens: int) -> int:
+    """Engine steps a prompt's ``new_tokens`` take in chunks of ``chunk_tokens`` (0: one step)."""
+    return math.ceil(new_tokens / chunk_tokens) if chunk_tokens > 0 else min(1, new_tokens)

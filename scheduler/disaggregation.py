@@ -9,9 +9,11 @@ request has two plans, both from Algorithm 1 (``ConductorCore.decide_conditional
 * **local**: a colocated instance prefills and decodes. Its cost: its TTFT there, plus the same decode
   share, plus the stall its prompt's chunks add to every request decoding there (``shared_delay``).
 
-Each plan is admitted on its own (SLOs, free blocks); a local plan also only if its prompt's compute,
-spread over the tokens each request decoding there has left, keeps their TBT within the SLO
-(``stalls_past_tbt``). ``[scheduler] disaggregation`` chooses:
+Each plan is admitted on its own (SLOs, free blocks). A prompt prefilled on a colocated instance stalls every
+request decoding there for as many steps as it has chunks, and a request's TBT (the mean of its longest 10%
+of gaps) feels them: a local plan is admitted only if its chunks keep those requests within the TBT SLO
+(``stalls_past_tbt``), and a remote plan decodes only where the prompts queued to prefill keep the request
+itself within it (``stalled_by_queued_prompts``). ``[scheduler] disaggregation`` chooses:
 
 * ``cost``: the cheaper admitted plan; a rejection only when neither is admitted. No threshold: a short
   prompt goes remote when the colocated instances are busy decoding, a long one stays local when its
@@ -27,10 +29,11 @@ plan carries the other one (``Plan.alternative``) so that ``explain`` shows both
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from scheduler.candidates import DecodeCandidate, RequestShape
+from scheduler.candidates import DecodeCandidate, RequestShape, Resident
 from scheduler.policy import Plan, PolicyConfig, Rejection
 
 DYNAMO_MAX_LOCAL_TOKENS = 2048  # uncached tokens below which Dynamo prefills on the decode worker
@@ -45,23 +48,100 @@ def is_local(plan: Plan) -> bool:
     return plan.prefill.instance_id == plan.decode_instance
 
 
-def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float) -> str:
+def _tbt(step: float, gaps: float, stalls: Sequence[tuple[int, float]]) -> float:
+    """A request's TBT, the mean of its longest tenth of ``gaps`` gaps, with ``stalls``: (steps, seconds longer).
+
+    The stalled steps are its longest gaps, the longest stalls first.
+    """
+    k = max(1, math.ceil(0.1 * max(1.0, gaps)))
+    total, left = 0.0, k
+    for steps, stall in sorted(stalls, key=lambda s: -s[1]):
+        take = min(steps, left)
+        total, left = total + take * stall, left - take
+    return step + total / k
+
+
+def chunks_within(chunks: int, start: float, end: float, a: float, b: float) -> int:
+    """Of ``chunks`` steps spread evenly over [start, end], those within [a, b]."""
+    overlap = min(end, b) - max(start, a)
+    if overlap <= 0 or chunks <= 0:
+        return 0
+    return chunks if end <= start else min(chunks, math.ceil(chunks * overlap / (end - start)))
+
+
+def stalled_steps(chunks: int, start: float, end: float, r: Resident, step: float) -> int:
+    """Of a prompt's ``chunks`` steps over [start, end] on a colocated instance, those that stall resident r.
+
+    Every engine step there carries one chunk and one token of each request decoding: a request decoding when
+    the prompt starts takes a chunk with each of its next steps, as many as it has tokens left (its decode
+    stretches with them; a time overlap would miss that); one that joins mid-way takes the chunks after it.
+    """
+    if r.t_join <= start:
+        left = math.ceil((r.t_leave - start) / step) if r.t_leave > start else 0
+        return min(chunks, left)
+    return chunks_within(chunks, start, end, r.t_join, r.t_leave)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The prompts queued to prefill on a colocated instance: ``seconds`` of work from now, in ``chunks`` steps."""
+
+    seconds: float = 0.0
+    chunks: int = 0
+
+    def stalls(self, a: float, b: float) -> tuple[int, float]:
+        """(its steps within [a, b], how much longer each is)."""
+        if self.chunks <= 0 or self.seconds <= 0:
+            return 0, 0.0
+        return chunks_within(self.chunks, 0.0, self.seconds, a, b), self.seconds / self.chunks
+
+
+def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> str:
     """Why prefilling locally would push a request decoding on d past the TBT SLO ("" when none would be).
 
-    Each request decoding there when the prompt starts waits for the prompt's compute, spread over the tokens
-    it has left: its mean TBT becomes its step time plus the stall over those tokens.
+    A request's TBT is the mean of the longest 10% of its token gaps (``scheduler/sim/metrics.request_tbt``,
+    as the benchmarks' clients measure it). The prompt's compute comes in ``chunks`` engine steps, each a gap
+    longer by its share of the compute, for every request decoding there while they run (those booked to
+    start meanwhile included), on top of the stalls booked on it before (``Resident.stalls``): a long request
+    absorbs a few stalled steps, a short one does not.
     """
     e = plan.prefill
-    stall = e.t_prefill
-    batch = [r for r in d.residents if r.t_join <= e.t_queue < r.t_leave]
-    if not batch or stall <= 0:
+    start, end = e.t_queue, e.t_queue + e.t_prefill
+    batch = [r for r in d.residents if r.t_join < end and r.t_leave > 0]
+    if not batch or e.t_prefill <= 0:
         return ""
     step = d.model.predict(len(batch), sum(r.context for r in batch))
-    worst = max(step + stall / max(1.0, (r.t_leave - e.t_queue) / step) for r in batch)
+    chunks = max(1, chunks)
+
+    def tbt(r: Resident) -> float:
+        mine = (stalled_steps(chunks, start, end, r, step), e.t_prefill / chunks)
+        tokens = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
+        return _tbt(step, tokens, [*r.stalls, mine])
+
+    worst = max(tbt(r) for r in batch)
     if worst <= max_tbt:
         return ""
-    return (f"its prompt's {stall * 1e3:.0f} ms of compute would push a request decoding there to a TBT of "
-            f"{worst * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+    return (f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {chunks} steps would push a request decoding "
+            f"there to a TBT of {worst * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+
+
+def stalled_by_queued_prompts(plan: Plan, d: DecodeCandidate, queued: Queued, request: RequestShape,
+                              max_tbt: float) -> str:  # fmt: skip
+    """Why decoding on d (a colocated instance) would break the request's own TBT SLO ("" when it would not).
+
+    The ``queued`` prompts' steps are each a gap longer by its share of their compute, for every request
+    decoding there while they run: this one from its TTFT on.
+    """
+    if queued.chunks <= 0:
+        return ""
+    start = plan.prefill.ttft
+    step = d.predicted_tbt(start, request.num_prompt_tokens)
+    tokens = max(1, request.output_tokens)
+    tbt = _tbt(step, tokens, [queued.stalls(start, start + tokens * step)])
+    if tbt <= max_tbt:
+        return ""
+    return (f"the {queued.seconds * 1e3:.0f} ms of prompts queued to prefill on {d.instance_id} would stall its "
+            f"decode to a TBT of {tbt * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
 
 
 def path_cost(plan: Plan, decode_share: DecodeShare) -> float:

@@ -88,6 +88,17 @@ class DecodeInstance:
         """The request's prompt KV (and first token) is here at ``at``; it decodes from the next boundary."""
         heapq.heappush(self._pending, (at, record.request_id, record))
 
+    def report_progress(self, now: float) -> None:
+        """Tell the Conductor core how many tokens each request decoding here has produced by ``now``.
+
+        The live Conductor hears it with every streamed token (``ConductorCore.decode_progress``): its view of
+        when each resident leaves follows the measured pace, stalls included.
+        """
+        done = len(self.step_times)
+        for _, rid, record in self._finishing:
+            self.core.decode_progress(self.state, rid, now, done - record.first_step + 1, record.num_output_tokens,
+                                      False)  # fmt: skip
+
     def submit(self, job: PrefillJob) -> None:
         """Queue a prefill (colocated only)."""
         self.prefill_queue.append(job)

@@ -35,6 +35,7 @@ from scheduler.sim.prefix_cache import PrefixCache
 from scheduler.sim.trace import TraceRequest
 
 SIM_POLICIES = (*POLICIES, "colocated", "conditional")
+PROGRESS_S = 1.0  # the decode instances report their requests' tokens to the core this often (at an arrival)
 _PREFILL_DONE, _ARRIVAL, _SAMPLE = 0, 1, 2
 
 
@@ -132,6 +133,7 @@ class Simulator:
         self._events: list[tuple[float, int, int, int]] = []  # (time, kind, seq, argument)
         self._seq = 0
         self.policy_calls = 0
+        self._next_progress = 0.0  # when the decode instances next report their progress (PROGRESS_S)
         self.samples: list[dict[str, float]] = []
 
     def _build_instances(self) -> None:
@@ -220,6 +222,10 @@ class Simulator:
         request, record = self.requests[i], self.records[i]
         for d in self.decodes:
             d.advance_to(now)
+        if now >= self._next_progress:  # the live Conductor hears of every token; the simulator once a second
+            self._next_progress = now + PROGRESS_S
+            for d in self.decodes:
+                d.report_progress(now)
         n, bs = request.num_prompt_tokens, self.config.block_size
         shape = RequestShape(
             n, request_blocks(n, request.num_output_tokens, bs), bs, self.profile.bytes_per_block(bs),

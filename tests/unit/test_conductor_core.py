@@ -73,6 +73,10 @@ class Recorder:
         self.calls.append(("decode_started", d.instance_id, rid, now))
         self.core.decode_started(d, rid, now)
 
+    def decode_progress(self, d, rid, now, tokens_out, max_tokens, fixed):
+        self.calls.append(("decode_progress", d.instance_id, rid, now, tokens_out, max_tokens, fixed))
+        self.core.decode_progress(d, rid, now, tokens_out, max_tokens, fixed)
+
     def release(self, rid, now, *instances):
         self.calls.append(("release", rid, now, [v.instance_id for v in instances]))
         self.core.release(rid, now, *instances)
@@ -140,6 +144,9 @@ def test_the_live_core_replays_the_simulators_decisions(colocated):
         elif kind in ("prefill_done", "decode_started"):
             instance, rid, now = args
             getattr(core, kind)(live[instance], rid, now)
+        elif kind == "decode_progress":
+            instance, *rest = args
+            core.decode_progress(live[instance], *rest)
         elif kind == "release":
             rid, now, ids = args
             core.release(rid, now, *(live[i] for i in ids))

@@ -143,3 +143,59 @@ def test_a_local_prompt_that_would_push_a_resident_past_the_tbt_slo_goes_remote(
     # Without SLO admission the cost decides alone: locally.
     unchecked = core().decide_conditional(0.0, shape(6000), {}, [p], [c], Slo(5.0, 0.05, reject=False))
     assert isinstance(unchecked, Plan) and is_local(unchecked)
+
+
+def _resident(c: InstanceState, rid: str, decode_s: float, context: int = 500) -> None:
+    """A request decoding on c from now for ``decode_s`` seconds (about decode_s / 22 ms tokens)."""
+    from scheduler.booking import Booking
+
+    booking = Booking(0.0, 0.0, context, 10, 0.0, decode_s)
+    booking.decode_started = 0.0
+    c.decoding.add(rid, booking)
+
+
+def test_stalls_booked_on_a_request_add_up_until_the_next_local_prompt_would_break_its_tbt():
+    """Each local prompt stalls a few of a resident's steps: alone each is fine, together they are not."""
+    from scheduler.booking import Booking
+
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    p.prefilling.add("queued", Booking(0.0, 2.0, 8000, 0))  # the pool is queued: local is cheaper while admitted
+    _resident(c, "r0", 4.4)  # about 200 tokens: its TBT is the mean of its longest 20 gaps
+    local, slo = [], Slo(max_ttft=5.0, max_tbt=0.1)
+    for i in range(8):
+        plan = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
+        assert isinstance(plan, Plan)
+        local.append(is_local(plan))
+        ConductorCore.book(0.0, f"q{i}", plan, shape(2048, output=8), c if is_local(plan) else p, c)
+    booking = c.decoding.items["r0"]
+    assert local[0] and not local[-1], local  # local while the resident absorbs the stalls, then remote
+    assert booking.stalls and sum(n for n, _ in booking.stalls) >= 2 * local.count(True)  # 4 chunks of 512 each
+    assert booking.expected_decode_s > 4.4  # the stalls stretch its decode
+    refused = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo).alternative
+    assert isinstance(refused, Rejection) and "would push a request decoding there to a TBT of" in refused.reason
+
+
+def test_a_request_prefilled_remotely_decodes_where_no_queued_prompt_stalls_it():
+    from scheduler.booking import Booking
+
+    p, c0, c1 = state("p0", "prefill"), state("c0", "colocated"), state("c1", "colocated")
+    _resident(c1, "r0", 1.0, context=4000)  # c1 decodes a little slower: the plain choice is c0
+    c0.prefilling.add("long", Booking(0.0, 12.0, 30_000, 0, new_tokens=30_000))  # 59 chunks of 0.2 s queued on c0
+    slo = Slo(max_ttft=10.0, max_tbt=0.1)
+    plan = core("length", local_prefill_max_tokens=1).decide_conditional(0.0, shape(1024, 200), {}, [p], [c0, c1], slo)
+    assert isinstance(plan, Plan) and not is_local(plan) and plan.decode_instance == "c1"
+    # Without the queued prompt c0 is the choice.
+    c0.prefilling.remove("long", 0.0)
+    plan = core("length", local_prefill_max_tokens=1).decide_conditional(0.0, shape(1024, 200), {}, [p], [c0, c1], slo)
+    assert isinstance(plan, Plan) and plan.decode_instance == "c0"
+
+
+def test_a_colocated_request_skips_the_instance_whose_decodes_its_prompt_would_stall():
+    c0, c1 = state("c0", "colocated"), state("c1", "colocated")
+    _resident(c0, "short", 0.3)  # a few tokens left: a prompt's chunks would be most of its longest gaps
+    slo = Slo(max_ttft=10.0, max_tbt=0.05)
+    plan = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)  # c0 holds 3/4 of it
+    assert isinstance(plan, Plan) and plan.prefill.instance_id == "c1"
+    assert "; not c0: its prompt's" in plan.reason
+    unchecked = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], Slo(10.0, 0.05, reject=False), True)
+    assert isinstance(unchecked, Plan) and unchecked.prefill.instance_id == "c0"

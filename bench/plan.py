@@ -200,16 +200,19 @@ class Planner:
             self.say(f"  {c.label:>14}: {_describe(r)}")
         return records
 
-    def smallest(self, rate: float, deployments: Sequence[str], lo_n: int, hi_n: int) -> int | None:
-        """The fewest instances with a candidate that meets the SLOs at ``rate``."""
+    def smallest(self, rate: float, deployments: Sequence[str], lo_n: int, hi_n: int) -> list[dict[str, Any]]:
+        """Instance counts from ``lo_n`` up, each with its best candidate's share within the SLOs at ``rate``,
+        until one meets them (the last entry) or ``hi_n`` is passed."""
+        search = []
         for n in range(lo_n, hi_n + 1):
             found = candidates(n, deployments)
             shares = self._map(_attainment_job, [(self.bed, c, self.knobs, rate) for c in found])
-            best = max(zip(shares, (c.label for c in found), strict=True))
-            self.say(f"{n} instances: best {best[1]} with {best[0]:.1%} within the SLOs at {rate:g} req/s")
-            if best[0] >= ATTAINMENT:
-                return n
-        return None
+            share, label = max(zip(shares, (c.label for c in found), strict=True))
+            search.append({"instances": n, "best": label, "attainment": share})
+            self.say(f"{n} instances: best {label} with {share:.1%} within the SLOs at {rate:g} req/s")
+            if share >= ATTAINMENT:
+                break
+        return search
 
     def tune(self, candidate: Candidate, capacity: float) -> tuple[Knobs, list[dict[str, Any]]]:
         """The seed's tuning order on ``candidate``: each knob's values, the best kept (ties keep the current)."""
@@ -329,14 +332,14 @@ def main(args: argparse.Namespace) -> int:
     planner = Planner(bed, knobs, args.jobs, args.quiet)
     planner.say(f"{len(requests)} requests of {args.trace} ({bed.base_rate:.2f} req/s as recorded), profile "
                 f"{profile.name}, SLOs TTFT {args.ttft_slo_ms:g} ms / TBT {args.tbt_slo_ms:g} ms")  # fmt: skip
-    n = args.instances
+    n, search = args.instances, []
     if args.rate is not None:
-        n = planner.smallest(args.rate, args.deployments, args.min_instances, args.max_instances)
-        if n is None:
+        search = planner.smallest(args.rate, args.deployments, args.min_instances, args.max_instances)
+        if search[-1]["attainment"] < ATTAINMENT:
             print(f"no deployment of up to {args.max_instances} instances meets the SLOs at {args.rate:g} req/s",
                   file=sys.stderr)  # fmt: skip
             return 1
-    assert n is not None
+        n = search[-1]["instances"]
     found = candidates(n, args.deployments)
     ranked = sorted(zip(found, planner.capacities(found, knobs, args.rate or bed.base_rate), strict=True),
                     key=lambda cr: cr[1]["capacity"] or 0.0, reverse=True)  # fmt: skip
@@ -359,7 +362,7 @@ def main(args: argparse.Namespace) -> int:
         "trace": str(args.trace), "limit": limit, "base_rate": bed.base_rate, "profile": profile.name,
         "slo": {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms, "attainment": ATTAINMENT},
         "chosen": chosen.label, "deployment": chosen.deployment, "capacity": capacity,
-        "knobs": asdict(knobs), "tuning": steps,
+        "knobs": asdict(knobs), "tuning": steps, "search": search,
         "candidates": {c.label: r | {"deployment": c.deployment} for c, r in ranked},
     })  # fmt: skip
     plot(out / "plan.png", ranked, chosen, args.rate)

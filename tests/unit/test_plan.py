@@ -81,6 +81,7 @@ def test_a_rate_gets_the_fewest_instances_that_meet_it(trace, tmp_path):
     record = json.loads((out / "plan.json").read_text())
     n = record["instances"]
     assert n == 3 and record["capacity"] >= 5.0
+    assert [s["instances"] for s in record["search"]] == [2, 3] and record["search"][0]["attainment"] < 0.9
     bed = plan.Bed(trace, None, plan.named_profile("analytic-gpu"), 2.0, 0.1, "cost", 0.0, 0, 1.0)
     knobs = plan.Knobs(plan.SimConfig().kv_cache_balancing_threshold, bed.profile.chunk_tokens, bed.profile.max_running)
     assert all(bed.attainment(c, knobs, 5.0) < plan.ATTAINMENT for c in plan.candidates(2, plan.DEPLOYMENTS))

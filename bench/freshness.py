@@ -24,6 +24,7 @@ from bench.provenance import REPO
 RESULTS = REPO / "bench" / "results"
 # The entry modules of the `kvconductor bench` subcommands (bench/commands.py)
 SUBCOMMANDS = {"serve": "bench.serve.cli", "compare": "bench.compare.cli"}
+COMMANDS = {"plan": "bench.plan"}  # kvconductor commands beside bench that write results
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,19 @@ class Result:
 
 
 def entry_module(command: str) -> str:
-    """The module a recorded command runs: ``python -m M ...`` -> M, ``kvconductor bench NAME ...`` -> its CLI."""
+    """The module a recorded command runs: ``python -m M ...`` -> M, ``kvconductor bench NAME ...`` or
+    ``kvconductor plan ...`` -> its CLI."""
     words = shlex.split(command)
     if words[:2] == ["python", "-m"]:
         return words[2]
+    if words[:1] == ["kvconductor"] and words[1:2] and words[1] in COMMANDS:
+        return COMMANDS[words[1]]
     if words[:2] == ["kvconductor", "bench"] and words[2] in SUBCOMMANDS:
         return SUBCOMMANDS[words[2]]
-    raise ValueError(f"cannot tell what {command!r} runs: record `python -m MODULE ...` or `kvconductor bench ...`")
+    raise ValueError(
+        f"cannot tell what {command!r} runs: record `python -m MODULE ...`, `kvconductor bench ...` "
+        "or `kvconductor plan ...`"
+    )
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:

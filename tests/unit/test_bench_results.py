@@ -644,3 +644,50 @@ def test_the_error_free_run_is_the_agent_command_without_model_error_and_the_rea
     peers = {spec: mean(on, spec) for spec in ("dynamo:kv", "dynamo-pd:kv")}
     assert (f"error off reads {mean(off, 'conductor') / peers['dynamo:kv']:.2f}x aggregated and "
             f"{mean(off, 'conductor:disaggregated') / peers['dynamo-pd:kv']:.2f}x PD") in flat  # fmt: skip
+
+
+def test_plan_results_name_clean_code_and_the_readme_says_what_the_json_says():
+    folder = SIM.parent / "plan"
+    readme = " ".join((folder / "README.md").read_text().split())
+    runs = {name: json.loads((folder / name / "plan.json").read_text())
+            for name in ("conversation-16", "conversation-16-dynamo", "conversation-8rps")}  # fmt: skip
+    for name, record in runs.items():
+        assert "uncommitted" not in record["code"] and record["code"] in readme
+        assert (
+            record["command"].startswith("kvconductor plan") and f"--out bench/results/plan/{name}" in record["command"]
+        )
+        assert record["command"] in (folder / name / "plan.toml").read_text()
+    sixteen, dynamo, rate = (r["candidates"] for r in runs.values())
+    cap = {label: c["capacity"] or 0.0 for label, c in sixteen.items()}
+    dyn = {label: c["capacity"] or 0.0 for label, c in dynamo.items()}
+    best = max(cap.values())
+    assert runs["conversation-16"]["chosen"] == "12P+4D" and cap["12P+4D"] == best
+    # every split of the mixed pool is at least the PD split of the same counts (the bisection's ties included)
+    assert all(cap[f"{p}P+{16 - p}C"] >= cap[f"{p}P+{16 - p}D"] for p in range(1, 16))
+    tuning = {s["knob"]: s["capacity"] for s in runs["conversation-16"]["tuning"]}
+    best_dynamo = max(dyn, key=dyn.__getitem__)
+    search = runs["conversation-8rps"]["search"]
+    claims = [
+        f"12P+4D, 13P+3D and the mixed pools 12P+4C and 13P+3C tie at {best:.2f} req/s",
+        f"16 colocated instances reach {cap['16 colocated']:.2f} req/s",
+        f"2048-token chunks lowered it to {tuning['max_num_batched_tokens']['2048']:.2f} req/s",
+        f"32 or 64 requests per decode instance to {tuning['max_concurrent_requests']['32']:.2f} or "
+        f"{tuning['max_concurrent_requests']['64']:.2f}",
+        *(
+            f"{p}P+{16 - p}C {cap[f'{p}P+{16 - p}C']:.2f} against {p}P+{16 - p}D {cap[f'{p}P+{16 - p}D']:.2f}"
+            for p in (11,)
+        ),  # fmt: skip
+        f"6P+10C {cap['6P+10C']:.2f} against 6P+10D {cap['6P+10D']:.2f}",
+        f"3P+13C {cap['3P+13C']:.2f} against 3P+13D {cap['3P+13D']:.2f}",
+        f"Against Dynamo's rule in the same deployments: {best / dyn[best_dynamo]:.2f}x",
+        f"reached at best {dyn[best_dynamo]:.2f} req/s ({best_dynamo}), against {best:.2f} for the cost rule",
+        f"at 12P+4C {dyn['12P+4C']:.2f} against {cap['12P+4C']:.2f}",
+        f"8 req/s needs {runs['conversation-8rps']['instances']} instances: {runs['conversation-8rps']['chosen']} at "
+        f"{runs['conversation-8rps']['capacity']:.2f} req/s",
+        "kept " + ", ".join(f"{s['attainment']:.1%}" for s in search[:-2]) + f" and {search[-2]['attainment']:.1%} "
+        "of the requests within the SLOs (" + ", ".join(s["best"] for s in search[:-1]) + ")",
+        f"({runs['conversation-16']['base_rate']:.2f} req/s as recorded",
+    ]
+    assert len(dyn) == 15 and rate["7P+2C"]["capacity"] == runs["conversation-8rps"]["capacity"]
+    missing = [c for c in claims if c not in readme]
+    assert not missing, f"README.md disagrees with the JSON: {missing}"

@@ -1,10 +1,11 @@
 """One Conductor core: the simulator's decisions replayed through the live Conductor's state give the same plans.
 
-The simulator runs a small trace (disaggregated and colocated) and every call it makes into
-``ConductorCore`` is recorded: decide (with the prefix matches and the clock), book, prefill_done,
-decode_started, release. The recording is then replayed against instance states built the way the live
-Conductor builds them, from workers' etcd records (``services.conductor.cluster_view``), with a fresh
-core: every decision must come out identical.
+The simulator runs a small trace (disaggregated, colocated and conditional: prefill instances beside colocated
+ones) and every call it makes into ``ConductorCore`` is recorded: decide or decide_conditional (with the
+prefix matches and the clock), book, prefill_done, decode_started, decode_progress, release. The recording
+is then replayed against instance states built the way the live Conductor builds them, from workers' etcd
+records (``services.conductor.cluster_view``), with a fresh core: every decision must come out identical,
+its reason and the plan of the path not taken included.
 """
 
 import json
@@ -61,6 +62,12 @@ class Recorder:
         self.calls.append(("decide", now, shape, dict(prefix), ids, slo, colocated, store, hashes, outcome))
         return outcome
 
+    def decide_conditional(self, now, shape, prefix, prefills, mixed, slo, store=None, hashes=()):
+        outcome = self.core.decide_conditional(now, shape, prefix, prefills, mixed, slo, store, hashes)
+        ids = ([p.instance_id for p in prefills], [m.instance_id for m in mixed])
+        self.calls.append(("decide_conditional", now, shape, dict(prefix), ids, slo, store, hashes, outcome))
+        return outcome
+
     def book(self, now, rid, plan, shape, p, d, hashes=()):
         self.calls.append(("book", now, rid, plan, shape, p.instance_id, d.instance_id, hashes))
         self.core.book(now, rid, plan, shape, p, d, hashes)
@@ -89,9 +96,9 @@ class Recorder:
         return getattr(self.core, name)
 
 
-def _record(colocated):
-    sim = Simulator(SimConfig(policy="colocated" if colocated else "kvcache_centric", num_prefill=2, num_decode=2,
-                              block_size=BS, max_ttft=1.0, max_tbt=0.05, reject=True), PROFILE, _trace())  # fmt: skip
+def _record(policy):
+    sim = Simulator(SimConfig(policy=policy, num_prefill=2, num_decode=2, block_size=BS, max_ttft=1.0, max_tbt=0.05,
+                              reject=True), PROFILE, _trace())  # fmt: skip
     sim.core = recorder = Recorder(sim.core)
     for instance in [*sim.prefills, *sim.decodes]:  # the instances' own calls (prefill ends, releases) too
         instance.core = recorder
@@ -120,15 +127,21 @@ def _same(a, b):
     if isinstance(a, Rejection) or isinstance(b, Rejection):
         return type(a) is type(b) and a.reason == b.reason
     assert isinstance(a, Plan) and isinstance(b, Plan)
-    return (a.prefill, a.decode_instance, a.tbt, a.best_len, a.probe) == (b.prefill, b.decode_instance, b.tbt,
-                                                                          b.best_len, b.probe)  # fmt: skip
+    fields = ("prefill", "decode_instance", "tbt", "best_len", "probe", "reason")
+    same_alternative = a.alternative is None and b.alternative is None or _same(a.alternative, b.alternative)
+    return same_alternative and all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
-@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
-def test_the_live_core_replays_the_simulators_decisions(colocated):
-    calls, states, policy_config = _record(colocated)
-    decisions = [c for c in calls if c[0] == "decide"]
+@pytest.mark.parametrize("policy", ["kvcache_centric", "colocated", "conditional"],
+                         ids=["disaggregated", "colocated", "conditional"])  # fmt: skip
+def test_the_live_core_replays_the_simulators_decisions(policy):
+    calls, states, policy_config = _record(policy)
+    decisions = [c for c in calls if c[0].startswith("decide")]
     assert len(decisions) == 60 and any(isinstance(c[-1], Plan) for c in decisions)
+    if policy == "conditional":  # both paths taken, each plan carrying the other
+        plans = [c[-1] for c in decisions if isinstance(c[-1], Plan)]
+        paths = {p.prefill.instance_id == p.decode_instance for p in plans}
+        assert paths == {True, False} and all(p.alternative is not None for p in plans)
     live = _live_states(states)
     core = ConductorCore(ConductorPolicy(policy_config, seed=0), LinkModels(PROFILE.link))
     for call in calls:
@@ -137,6 +150,11 @@ def test_the_live_core_replays_the_simulators_decisions(colocated):
             now, shape, prefix, (p_ids, d_ids), slo, coloc, store, hashes, outcome = args
             prefills, decodes = [live[i] for i in p_ids], [live[i] for i in d_ids]
             replayed = core.decide(now, shape, prefix, prefills, decodes, slo, coloc, store, hashes)
+            assert _same(replayed, outcome), (now, replayed, outcome)
+        elif kind == "decide_conditional":
+            now, shape, prefix, (p_ids, m_ids), slo, store, hashes, outcome = args
+            prefills, mixed = [live[i] for i in p_ids], [live[i] for i in m_ids]
+            replayed = core.decide_conditional(now, shape, prefix, prefills, mixed, slo, store, hashes)
             assert _same(replayed, outcome), (now, replayed, outcome)
         elif kind == "book":
             now, rid, plan, shape, p, d, hashes = args

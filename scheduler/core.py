@@ -70,15 +70,20 @@ class ConductorCore:
         pool: Sequence[InstanceState],
         slo: Slo,
         block_hashes: Sequence[Hashable],
+        tolerate: int = 1,
     ) -> Plan | Rejection:
-        """Algorithm 1 over colocated instances, skipping one whose prompt's chunks would stall its decodes.
+        """Algorithm 1 over colocated instances, avoiding one whose prompt's chunks would stall its decodes.
 
         The instances' decode batches are computed once each (both roles). With SLO admission, a plan whose
-        prompt would push a request decoding there past the TBT SLO (``stalls_past_tbt``, the prompts queued
-        there counted) is re-planned without that instance, ``LOCAL_RETRIES`` times at most, then refused.
+        prompt would push requests decoding there past the TBT SLO (``stalls_past_tbt``) is re-planned
+        without that instance, ``LOCAL_RETRIES`` times at most; then the plan that pushes the fewest is
+        taken if they are at most ``tolerate``, else refused. Refusing the request is a miss too: pushing one
+        request past the SLO (1, the colocated path) costs no more than refusing, while the conditional path
+        (0) has the remote plan, which pushes no one.
         """
         hashes, bs = block_hashes, shape.block_size
         skipped: list[tuple[str, str]] = []  # (instance, why)
+        fewest: tuple[int, Plan, str] | None = None  # the plan pushing the fewest past the SLO, and why
         pool = list(pool)
         for _ in range(LOCAL_RETRIES + 1):
             batches = {m.instance_id: m.residents(now) for m in pool}
@@ -87,20 +92,29 @@ class ConductorCore:
             decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
             plan = self.policy.schedule(prefill, decode, shape, slo, None, colocated=True)
             if not isinstance(plan, Plan) or not slo.reject:
-                return plan
+                break
             there = next(m for m in pool if m.instance_id == plan.decode_instance)
             chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)
-            why = stalls_past_tbt(plan, decode[pool.index(there)], slo.max_tbt, chunks)
-            if not why:
-                note = "".join(f"; not {i}: {w}" for i, w in skipped)
-                return replace(plan, reason=plan.reason + note) if note else plan
+            pushed, why = stalls_past_tbt(plan, decode[pool.index(there)], slo.max_tbt, chunks)
+            if not pushed:
+                fewest = (0, plan, "")
+                break
             skipped.append((there.instance_id, why))
+            if fewest is None or pushed < fewest[0]:
+                fewest = (pushed, plan, why)
             pool.remove(there)
-            refused = plan
             if not pool:
                 break
-        reason = skipped[0][1] if len(skipped) == 1 else "; ".join(f"on {i}: {w}" for i, w in skipped)
-        return Rejection(reason, refused, "tbt_slo")
+        if fewest is None:  # no plan to weigh: the policy's outcome as it is
+            return plan
+        pushed, chosen, _ = fewest
+        if pushed > tolerate:
+            reason = skipped[0][1] if len(skipped) == 1 else "; ".join(f"on {i}: {w}" for i, w in skipped)
+            return Rejection(reason, chosen, "tbt_slo")
+        notes = [f"; not {i}: {w}" for i, w in skipped if i != chosen.decode_instance]
+        if pushed:
+            notes.append("; taken all the same: refusing it would miss as many requests")
+        return replace(chosen, reason=chosen.reason + "".join(notes)) if notes else chosen
 
     def decide_conditional(
         self,
@@ -117,7 +131,7 @@ class ConductorCore:
 
         The two plans of Algorithm 1, compared by the ``disaggregation`` rule (``scheduler/disaggregation.py``).
         """
-        local = self.decide(now, shape, prefix_lens, mixed, mixed, slo, True, None, block_hashes)
+        local = self._decide_local(now, shape, prefix_lens, mixed, slo, block_hashes, tolerate=0)
         on = {m.instance_id: m for m in mixed}
         if not prefills:
             return choose_path(self.policy.config, None, local, shape, _no_share)

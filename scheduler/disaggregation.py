@@ -12,8 +12,8 @@ request has two plans, both from Algorithm 1 (``ConductorCore.decide_conditional
 Each plan is admitted on its own (SLOs, free blocks). A prompt prefilled on a colocated instance stalls every
 request decoding there for as many steps as it has chunks, and a request's TBT (the mean of its longest 10%
 of gaps) feels them: a local plan is admitted only if its chunks keep those requests within the TBT SLO
-(``stalls_past_tbt``), and a remote plan decodes only where the prompts queued to prefill keep the request
-itself within it (``stalled_by_queued_prompts``). ``[scheduler] disaggregation`` chooses:
+(``stalls_past_tbt``; the remote plan pushes no one), and a remote plan decodes only where the prompts queued
+to prefill keep the request itself within it (``stalled_by_queued_prompts``). ``[scheduler] disaggregation`` chooses:
 
 * ``cost``: the cheaper admitted plan; a rejection only when neither is admitted. No threshold: a short
   prompt goes remote when the colocated instances are busy decoding, a long one stays local when its
@@ -96,33 +96,34 @@ class Queued:
         return chunks_within(self.chunks, 0.0, self.seconds, a, b), self.seconds / self.chunks
 
 
-def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> str:
-    """Why prefilling locally would push a request decoding on d past the TBT SLO ("" when none would be).
+def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str]:
+    """How many requests decoding on d prefilling locally would push past the TBT SLO, and why ("" for none).
 
     A request's TBT is the mean of the longest 10% of its token gaps (``scheduler/sim/metrics.request_tbt``,
     as the benchmarks' clients measure it). The prompt's compute comes in ``chunks`` engine steps, each a gap
     longer by its share of the compute, for every request decoding there while they run (those booked to
     start meanwhile included), on top of the stalls booked on it before (``Resident.stalls``): a long request
-    absorbs a few stalled steps, a short one does not.
+    absorbs a few stalled steps, a short one does not. A request already past the SLO is not counted again.
     """
     e = plan.prefill
     start, end = e.t_queue, e.t_queue + e.t_prefill
     batch = [r for r in d.residents if r.t_join < end and r.t_leave > 0]
     if not batch or e.t_prefill <= 0:
-        return ""
+        return 0, ""
     step = d.model.predict(len(batch), sum(r.context for r in batch))
     chunks = max(1, chunks)
-
-    def tbt(r: Resident) -> float:
-        mine = (stalled_steps(chunks, start, end, r, step), e.t_prefill / chunks)
+    pushed = []
+    for r in batch:
         tokens = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
-        return _tbt(step, tokens, [*r.stalls, mine])
-
-    worst = max(tbt(r) for r in batch)
-    if worst <= max_tbt:
-        return ""
-    return (f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {chunks} steps would push a request decoding "
-            f"there to a TBT of {worst * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+        mine = (stalled_steps(chunks, start, end, r, step), e.t_prefill / chunks)
+        if mine[0] and _tbt(step, tokens, r.stalls) <= max_tbt < (tbt := _tbt(step, tokens, [*r.stalls, mine])):
+            pushed.append(tbt)
+    if not pushed:
+        return 0, ""
+    whom = "a request" if len(pushed) == 1 else f"{len(pushed)} requests"
+    return len(pushed), (f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {chunks} steps would push {whom} "
+                         f"decoding there to a TBT of up to {max(pushed) * 1e3:.0f} ms, over the SLO of "
+                         f"{max_tbt * 1e3:.0f} ms")  # fmt: skip
 
 
 def stalled_by_queued_prompts(plan: Plan, d: DecodeCandidate, queued: Queued, request: RequestShape,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.kv.transfer import RETRY_BACKOFF_S, KVTransferEngine, TransferError, coalesce
+from services.worker.kv.transfer import MAX_ENTRIES, RETRY_BACKOFF_S, KVTransferEngine, TransferError, coalesce
 
 POOL_BYTES = 4 << 20
 BLOCK = 64 << 10
@@ -195,3 +195,37 @@ def test_a_refused_write_is_tried_again_and_lands(peer: Peer, local: tuple[KVTra
             engine.write_blocks(peer.endpoint, blocks_of(pool, [0]), [peer.addr(60)], BLOCK)
     finally:
         engine._engine = real
+
+
+class _Counting:
+    """The Mooncake engine, remembering how many entries each batch write carried."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.entries = engine, []
+
+    def batch_transfer_sync_write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        self.entries.append(len(srcs))
+        return self.engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
+
+
+def test_a_write_of_scattered_blocks_goes_in_batches_and_lands(
+    peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]
+) -> None:
+    """A prompt written into a fragmented pool: one entry per block, never all of them in one engine call."""
+    engine, pool = local
+    real, small = engine._engine, 1024
+    pool.copy_(random_pool(4))
+    peer.fill(torch.zeros(POOL_BYTES, dtype=torch.uint8))
+    n = 3 * MAX_ENTRIES + 5
+    src = [2 * i * small for i in range(n)]  # every other 1 KiB block: nothing coalesces
+    dst = [(2 * i + 1) * small for i in range(n)]
+    try:
+        engine._engine = counting = _Counting(real)
+        result = engine.write_blocks(peer.endpoint, [pool.data_ptr() + a for a in src], [peer.base + a for a in dst],
+                                     small)  # fmt: skip
+    finally:
+        engine._engine = real
+    assert counting.entries == [MAX_ENTRIES] * 3 + [5]
+    landed = peer.dump()
+    assert all(torch.equal(landed[d : d + small], pool[s : s + small]) for s, d in zip(src, dst, strict=True))
+    assert result.blocks == n

@@ -139,7 +139,7 @@ def test_a_local_prompt_that_would_push_a_resident_past_the_tbt_slo_goes_remote(
     plan = core().decide_conditional(0.0, shape(6000), {}, [p], [c], slo)
     assert isinstance(plan, Plan) and not is_local(plan)
     assert isinstance(plan.alternative, Rejection) and plan.alternative.kind == "tbt_slo"
-    assert "would push a request decoding there to a TBT of" in plan.reason
+    assert "would push a request decoding there to a TBT of up to" in plan.reason
     # Without SLO admission the cost decides alone: locally.
     unchecked = core().decide_conditional(0.0, shape(6000), {}, [p], [c], Slo(5.0, 0.05, reject=False))
     assert isinstance(unchecked, Plan) and is_local(unchecked)
@@ -172,7 +172,7 @@ def test_stalls_booked_on_a_request_add_up_until_the_next_local_prompt_would_bre
     assert booking.stalls and sum(n for n, _ in booking.stalls) >= 2 * local.count(True)  # 4 chunks of 512 each
     assert booking.expected_decode_s > 4.4  # the stalls stretch its decode
     refused = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo).alternative
-    assert isinstance(refused, Rejection) and "would push a request decoding there to a TBT of" in refused.reason
+    assert isinstance(refused, Rejection) and "decoding there to a TBT of up to" in refused.reason
 
 
 def test_a_request_prefilled_remotely_decodes_where_no_queued_prompt_stalls_it():

@@ -46,6 +46,10 @@ _PROTOCOLS = ("tcp", "rdma")
 # transfers: "TCP lane queue-full rejection", status -1); failing such a write over to another decode
 # worker turns a busy moment into lost attempts. A peer that is gone fails all of them: 0.75 s more.
 RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
+# Entries (contiguous runs) per engine call. A prompt written into a fragmented pool (a colocated worker's
+# free blocks are scattered between its cached ones) is a run per block: thousands of entries submitted at
+# once fill the TCP transport's lane queues and every try of the write is refused; in batches they flow.
+MAX_ENTRIES = 128
 
 
 class TransferError(RuntimeError):
@@ -177,20 +181,22 @@ class KVTransferEngine:
             srcs, dsts, lengths = list(local), list(remote), [length] * len(local)
         call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
         start = time.perf_counter()
-        status = call(peer, srcs, dsts, lengths)
-        for wait in RETRY_BACKOFF_S:  # the same bytes to the same addresses: a partial first try is overwritten
-            if status == 0:
-                break
-            time.sleep(wait)
-            with self._lock:
-                self._counts.retries += 1
-            status = call(peer, srcs, dsts, lengths)
+        for i in range(0, len(srcs), MAX_ENTRIES):
+            batch = srcs[i : i + MAX_ENTRIES], dsts[i : i + MAX_ENTRIES], lengths[i : i + MAX_ENTRIES]
+            status = call(peer, *batch)
+            for wait in RETRY_BACKOFF_S:  # the same bytes to the same addresses: a partial first try is overwritten
+                if status == 0:
+                    break
+                time.sleep(wait)
+                with self._lock:
+                    self._counts.retries += 1
+                status = call(peer, *batch)
+            if status != 0:
+                raise TransferError(
+                    f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} returned {status}"
+                    f" ({len(RETRY_BACKOFF_S) + 1} tries)"
+                )
         seconds = time.perf_counter() - start
-        if status != 0:
-            raise TransferError(
-                f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} returned {status}"
-                f" ({len(RETRY_BACKOFF_S) + 1} tries)"
-            )
         if self.link_floor is not None:
             time.sleep(max(0.0, self.link_floor(len(local) * length) - seconds))
             seconds = time.perf_counter() - start

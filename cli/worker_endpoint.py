@@ -15,13 +15,13 @@ certificate when the cluster runs TLS; API keys as on the gateway).
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from dataclasses import replace
 
 import uvicorn
 
 from engine.tokenizer import load_tokenizer
-from services.common.net import free_port
 from services.common.registry import InstanceEvent
 from services.common.rpc import Service
 from services.conductor import conductor
@@ -58,7 +58,11 @@ class WorkerEndpoint:
         self.view.on_event(InstanceEvent("put", self.worker.role, self.worker.instance_id, record))
         self._background = asyncio.create_task(self.conductor.run())
         config = self.worker.config
-        port = free_port()
+        # Bound here and handed to uvicorn: a port only picked here could be taken by another process before
+        # uvicorn binds it, and the worker would publish an openai_url that some other server answers.
+        sock = socket.socket(socket.AF_INET6 if ":" in config.cluster.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((config.cluster.host, 0))
+        port = sock.getsockname()[1]
         local = replace(
             config,
             cluster=replace(config.cluster, scheduler_endpoint=address),
@@ -69,7 +73,7 @@ class WorkerEndpoint:
         app = create_app(local, discover=False)
         self._server = uvicorn.Server(server_config(app, config.cluster.host, port, cert, key, "warning"))
         # On a thread of its own: uvicorn installs signal handlers only on the main thread.
-        self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, args=([sock],), name="openai-http", daemon=True)
         self._thread.start()
         self.worker.openai_url = f"{'https' if cert else 'http'}://{config.cluster.host}:{port}"
 

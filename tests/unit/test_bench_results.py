@@ -691,3 +691,41 @@ def test_plan_results_name_clean_code_and_the_readme_says_what_the_json_says():
     assert len(dyn) == 15 and rate["7P+2C"]["capacity"] == runs["conversation-8rps"]["capacity"]
     missing = [c for c in claims if c not in readme]
     assert not missing, f"README.md disagrees with the JSON: {missing}"
+
+
+def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_says():
+    folder = SIM.parent / "scale" / "conditional"
+    readme = " ".join((folder / "README.md").read_text().split())
+
+    def load(name):
+        record = json.loads((folder / name / "routers.json").read_text())
+        assert "uncommitted" not in record["code"] and record["code"] in readme
+        assert record["command"].startswith("kvconductor bench compare --engine emulated --routers --workload trace")
+        return record
+
+    now, dynamo = load("trace"), load("trace-dynamo-rule")
+    before = load("before-fixes/trace")
+    assert "--set 'scheduler.disaggregation=\"dynamo\"'" in dynamo["command"]
+    cap = {spec: c["capacity"][0]["capacity"] for spec, c in now["contenders"].items()}
+    dyn = dynamo["contenders"]["conductor:conditional"]["capacity"][0]["capacity"]
+    levels = {spec: {lvl: v["summary"] for lvl, v in c["levels"].items()} for spec, c in now["contenders"].items()}
+    cond, pd = levels["conductor:conditional"], levels["conductor:disaggregated"]
+    claims = [
+        f"Cost against Dynamo's rule, same deployment: {cap['conductor:conditional'] / dyn:.2f}x",
+        f"held {cap['conductor:conditional']:g} req/s; with Dynamo's rule",
+        f"{dyn:g} req/s",
+        f"PD (12P+4D) held {cap['conductor:disaggregated']:g} req/s, the mixed pool {cap['conductor:conditional']:g} "
+        f"({cap['conductor:conditional'] / cap['conductor:disaggregated']:.2f}x), 16 colocated workers "
+        f"{cap['conductor']:g}",
+        f"at 20.92 req/s its TTFT p50 was {cond['rate=20.92']['ttft_ms']['median']:.0f} ms against "
+        f"{pd['rate=20.92']['ttft_ms']['median']:.0f} ms for PD, at 13.86 req/s "
+        f"{cond['rate=13.86']['ttft_ms']['median']:.0f} against {pd['rate=13.86']['ttft_ms']['median']:.0f} ms",
+        f"({cond['rate=21.65']['slo_attainment']:.1%} within the SLOs at 21.65 req/s, where PD still held "
+        f"{pd['rate=22.41']['slo_attainment']:.1%} at 22.41)",
+        f"({cond['rate=21.65']['completed']} of {cond['rate=21.65']['requests']} at 21.65 req/s)",
+        f"where the client saw {cond['rate=21.65']['ttft_ms']['median'] / 1e3:.1f} s",
+        f"16 colocated workers held {before['contenders']['conductor']['capacity'][0]['capacity']:g} req/s before",
+        f"and {cap['conductor']:g} now",
+    ]
+    missing = [c for c in claims if c not in readme]
+    assert not missing, f"README.md disagrees with the JSON: {missing}"

@@ -30,12 +30,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
     """Greedy tokens of the same engine run in this process, no cluster."""
-    from engine.llm_engine import LLMEngine, generate
-    from engine.sampling import SamplingParams
-
-    engine = LLMEngine(model_dir, num_blocks=256)
-    params = SamplingParams(max_tokens=helpers.MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [generate(engine, p, params) for p in prompts]
+    return helpers.reference_tokens(model_dir, prompts)
 
 
 def test_streaming_chat_completion_with_the_openai_client(cluster):

@@ -41,12 +41,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
     """Greedy tokens of the same engine run in this process, no cluster."""
-    from engine.llm_engine import LLMEngine, generate
-    from engine.sampling import SamplingParams
-
-    engine = LLMEngine(model_dir, num_blocks=256)
-    params = SamplingParams(max_tokens=helpers.MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [generate(engine, p, params) for p in prompts]
+    return helpers.reference_tokens(model_dir, prompts)
 
 
 def test_each_prompt_prefills_where_the_rule_says_and_both_paths_give_the_engines_tokens(mixed, prompts, reference):

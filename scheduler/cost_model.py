@@ -11,9 +11,10 @@ context the batch attends to::
 
     T_step(batch, context) = d0 + d1 * batch + d2 * context
 
-Moving KV costs a latency plus bytes over bandwidth. Coefficients come from least squares over measured
-samples (a start-up profile each worker runs and publishes with its etcd record) and are clamped at
-zero, so a noisy fit can never predict negative time.
+Moving KV costs a latency plus bytes over bandwidth, a line fitted robustly (Theil-Sen) to timed
+transfers. The compute models' coefficients come from least squares over measured samples (a start-up
+profile each worker runs and publishes with its etcd record) and are clamped at zero, so a noisy fit
+can never predict negative time.
 """
 
 from __future__ import annotations
@@ -139,15 +140,28 @@ class TransferModel:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float]]) -> TransferModel | None:
-        """Least squares over (bytes, seconds); None when the samples cannot separate latency from bandwidth."""
-        if len({b for b, _ in samples}) < 2:
+        """A robust line through (bytes, seconds); None when the samples cannot separate latency from bandwidth.
+
+        Theil-Sen: the per-byte time is the median slope between every two transfers of different sizes, the
+        latency the median of what each transfer leaves (at least 0). A transfer timed on a busy moment (a
+        contended CPU, a queue on the wire) moves a least-squares line; here it moves nothing while fewer
+        than about 29% of the samples are such.
+        """
+        if len(samples) > FIT_SAMPLES_MAX:  # evenly spaced: the pairs grow with the square of the count
+            samples = [samples[i * len(samples) // FIT_SAMPLES_MAX] for i in range(FIT_SAMPLES_MAX)]
+        b = np.fromiter((s[0] for s in samples), float, len(samples))
+        t = np.fromiter((s[1] for s in samples), float, len(samples))
+        i, j = np.triu_indices(len(samples), 1)
+        apart = b[i] != b[j]
+        if not apart.any():
             return None
-        latency, per_byte = _lstsq_nonneg([[1.0, float(b)] for b, _ in samples], [s for _, s in samples])
+        per_byte = float(np.median((t[j] - t[i])[apart] / (b[j] - b[i])[apart]))
         if per_byte <= 0:
             return None
-        return cls(latency, 1.0 / per_byte)
+        return cls(max(0.0, float(np.median(t - per_byte * b))), 1.0 / per_byte)
 
 
+FIT_SAMPLES_MAX = 256  # transfers one fit reads at most (32k pairs)
 OWN_FIT_SAMPLES = 8  # transfers a link (or a source) needs before its own fit replaces the wider one
 
 
@@ -158,7 +172,8 @@ class LinkModels:
     it falls back to a fit over every link from the same source (with as many), then over all links, then to
     the configured prior. A fit of its own from two or three transfers follows their noise: one slow
     transfer on a busy moment made one prefill instance's T_send seconds longer than its peer's on the same
-    host, and the Conductor sent a prompt away from the instance holding its prefix.
+    host, and the Conductor sent a prompt away from the instance holding its prefix. The fits are robust
+    (``TransferModel.fit``) for the same reason: a few such transfers among many move none of them.
     """
 
     def __init__(self, prior: TransferModel, window: int = 64) -> None:

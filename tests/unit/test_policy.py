@@ -5,6 +5,7 @@ import math
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from scheduler.candidates import DecodeCandidate, PrefillCandidate, RequestShape, Resident, Slo
@@ -71,6 +72,21 @@ def test_a_link_gets_a_model_of_its_own_only_from_enough_transfers():
     for nbytes in sizes[2:8]:
         links.observe("p1", "", nbytes, 0.5 + nbytes / 1e6)
     assert links.model("p1").bandwidth_bytes_per_s == pytest.approx(1e6, rel=1e-6)  # eight: its own
+
+
+def test_a_few_transfers_timed_on_a_busy_moment_do_not_move_a_link_model():
+    links = LinkModels(TransferModel(0.003, 1e9))
+    sizes = [1 << k for k in range(16, 28)]
+    for k, nbytes in enumerate(sizes):
+        slow = k in (1, 6, 10)  # a quarter of them waited half a second behind a contended CPU
+        links.observe("p0", "", nbytes, 0.001 + nbytes / 1e9 + (0.5 if slow else 0.0))
+    learned = links.model("p0")
+    assert learned.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    assert learned.latency_s == pytest.approx(0.001, rel=1e-6)
+    least_squares = np.linalg.lstsq(  # what a least-squares line through the same transfers predicts instead
+        [[1.0, b] for b in sizes], [0.001 + b / 1e9 + 0.5 * (k in (1, 6, 10)) for k, b in enumerate(sizes)], rcond=None
+    )[0]
+    assert least_squares[0] > 0.1
 
 
 def test_prefix_holder_wins_when_idle():

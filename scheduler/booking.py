@@ -128,6 +128,12 @@ class Bookings:
         behind = self._pending_s - next(iter(self._pending.values()), 0.0)  # waiting behind the running one
         return max(0.0, self._busy_until - now, behind)
 
+    def t_running(self, now: float) -> float:
+        """Predicted seconds left of the prefill running now (the oldest not done), 0 when none."""
+        if not self._pending:
+            return max(0.0, self._busy_until - now)
+        return max(0.0, self._busy_until - now - (self._pending_s - next(iter(self._pending.values()))))
+
     def queued_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Leading blocks of a prompt (its chained hashes) that a prefill booked here and not done computes."""
         longest = 0

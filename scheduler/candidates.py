@@ -47,10 +47,15 @@ class PrefillCandidate:
     profile: PrefillModel | None = None  # the instance's start-up profile (admission's reference when idle)
     in_flight: int = 0  # requests whose prefill is queued or running here (the peers' rules count them)
     queued_new_tokens: int = 0  # tokens still to compute for them
-    exports_kv: bool = True  # peers can copy its cached blocks (False for vLLM, whose pool is inside EngineCore)
+    exports_kv: bool = True  # peers can copy its cached blocks (False for a vLLM instance without a KV connector)
     # Of prefix_len, the tokens cached now (a peer can copy them); the rest is computed by prefills queued
     # here (``Bookings.queued_prefix``). None: all of prefix_len is cached.
     cached_len: int | None = None
+    # Its engine copies KV by running a request on each side (vLLM's KV connector): the exporter's waits for
+    # the prefill running there (``t_export`` seconds) and computes the prefix's last block again, the
+    # importer's takes a step of its own. False: peers read and write the pool without waiting for a step.
+    copies_by_request: bool = False
+    t_export: float = 0.0
 
     @property
     def cached(self) -> int:
@@ -63,6 +68,16 @@ class PrefillCandidate:
         if self.decode_step_s > 0 and self.step_tokens > 0 and new_tokens > 0:
             t += math.ceil(new_tokens / self.step_tokens) * self.decode_step_s
         return t
+
+    def t_export_of(self, cached_tokens: int, block_size: int) -> float:
+        """Seconds before a copy of ``cached_tokens`` from here can start (``copies_by_request``)."""
+        if not self.copies_by_request or cached_tokens < block_size:
+            return 0.0
+        return self.t_export + self.model.predict(block_size, cached_tokens - block_size)
+
+    def t_import(self, copied_prefix: int) -> float:
+        """Seconds a copy costs here beyond moving its bytes: the import's own step (``copies_by_request``)."""
+        return self.model.predict(1, copied_prefix - 1) if self.copies_by_request and copied_prefix > 0 else 0.0
 
     def exposed_tokens(self, num_prompt_tokens: int, reused: int) -> int:
         """Prompt tokens whose KV is still to send after token 0 here (see ``exposed_tokens``)."""

@@ -142,10 +142,11 @@ class TransferModel:
     def fit(cls, samples: Sequence[tuple[int, float]]) -> TransferModel | None:
         """A robust line through (bytes, seconds); None when the samples cannot separate latency from bandwidth.
 
-        Theil-Sen: the per-byte time is the median slope between every two transfers of different sizes, the
-        latency the median of what each transfer leaves (at least 0). A transfer timed on a busy moment (a
-        contended CPU, a queue on the wire) moves a least-squares line; here it moves nothing while fewer
-        than about 29% of the samples are such.
+        Theil-Sen, weighted: the per-byte time is the median slope between every two transfers of different
+        sizes, each pair weighted by how far apart their sizes are (two transfers of about the same size say
+        little about the per-byte time, however different their times); the latency is the median of what
+        each transfer leaves (at least 0). A transfer timed on a busy moment (a contended CPU, a queue on the
+        wire) moves a least-squares line; here a few such move nothing.
         """
         if len(samples) > FIT_SAMPLES_MAX:  # evenly spaced: the pairs grow with the square of the count
             samples = [samples[i * len(samples) // FIT_SAMPLES_MAX] for i in range(FIT_SAMPLES_MAX)]
@@ -155,7 +156,11 @@ class TransferModel:
         apart = b[i] != b[j]
         if not apart.any():
             return None
-        per_byte = float(np.median((t[j] - t[i])[apart] / (b[j] - b[i])[apart]))
+        spread = (b[j] - b[i])[apart]
+        slopes = (t[j] - t[i])[apart] / spread
+        order = np.argsort(slopes)
+        weights = np.abs(spread)[order].cumsum()
+        per_byte = float(slopes[order][np.searchsorted(weights, weights[-1] / 2)])
         if per_byte <= 0:
             return None
         return cls(max(0.0, float(np.median(t - per_byte * b))), 1.0 / per_byte)

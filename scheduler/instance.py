@@ -28,6 +28,9 @@ class InstanceState:
     chunk_tokens: int  # max_num_batched_tokens: the prefill chunk (and a colocated step's token budget)
     profile: tuple[PrefillModel, DecodeModel] | None = None  # the start-up profile's models
     exports_kv: bool = True  # its cached blocks can be copied to a peer
+    # Its engine's own KV connector moves its KV (vLLM's): the prompt's KV goes to decode after the prefill (not
+    # while later chunks compute), and an export is a request the engine schedules after the prefill running.
+    kv_connector: bool = False
     prefilling: Bookings = field(default_factory=Bookings)  # requests whose prefill runs here
     decoding: Bookings = field(default_factory=Bookings)  # requests decoding (or about to) here
     # what other Conductors booked here, as the instance last reported it (live replicas; empty in the simulator)
@@ -71,10 +74,15 @@ class InstanceState:
         in_flight, queued = own[0] + foreign[0], own[1] + foreign[1]
         idle = not self.prefilling and not self.foreign_prefilling
         if self.role != "colocated":
+            t_export = 0.0
+            if self.kv_connector and not idle:
+                t_export = self.prefilling.t_running(now) + self.foreign_prefilling.t_running(now)
             return PrefillCandidate(
-                self.instance_id, prefix_len, t_queue, self.prefill_model, chunk_tokens=self.chunk_tokens,
+                self.instance_id, prefix_len, t_queue, self.prefill_model,
+                chunk_tokens=0 if self.kv_connector else self.chunk_tokens,
                 idle=idle, profile=profile, in_flight=in_flight, queued_new_tokens=queued,
-                exports_kv=self.exports_kv, cached_len=cached_len,
+                exports_kv=self.exports_kv, cached_len=cached_len, copies_by_request=self.kv_connector,
+                t_export=t_export,
             )  # fmt: skip
         if residents is None:
             residents = self.residents(now)

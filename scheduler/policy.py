@@ -86,6 +86,7 @@ class CopySource:
 
     instance_id: str  # a prefill instance, or the store service
     prefix_len: int  # tokens of the prompt's leading blocks it holds (whole blocks)
+    t_wait: float = 0.0  # seconds before it can export them (``PrefillCandidate.t_export_of``), in T_transfer
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class ConductorPolicy:
         # will leave a longer one).
         best = _longest(prefills, request, attrgetter("prefix_len"))
         held = best if best.cached_len is None else _longest(prefills, request, attrgetter("cached"))
-        holders = [CopySource(held.instance_id, held.cached)]
+        holders = [CopySource(held.instance_id, held.cached, held.t_export_of(held.cached, request.block_size))]
         if store is not None and store.prefix_len > 0:
             holders.append(store)
         candidates = [CopySource(best.instance_id, best.prefix_len), *holders[1:]]
@@ -233,7 +234,9 @@ class ConductorPolicy:
             copied = replace(
                 local,
                 prefix_len=best_len,
-                t_transfer=links.model(source.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens)),
+                t_transfer=source.t_wait
+                + links.model(source.instance_id, p.instance_id).predict(request.kv_bytes(copy_tokens))
+                + p.t_import(best_len),
                 t_prefill=p.t_prefill(n - best_len, best_len),
                 t_send=links.model(p.instance_id).predict(request.kv_bytes(p.exposed_tokens(n, best_len))),
                 copy_from=source.instance_id,

@@ -376,8 +376,9 @@ class TelemetryConfig:
 class StoreConfig:
     """``[store]``: the Mooncake Store, the cluster-wide KV pool behind every worker's engine pool.
 
-    Prefill and colocated workers put their prompts' KV blocks into it (keyed by the chained block hash) and
-    fill their engine pools from it, so a prefix outlives its eviction from every worker.
+    Prefill workers put their prompts' KV blocks into it (keyed by the chained block hash) and fill their
+    engine pools from it, so a prefix outlives its eviction from every worker (built-in and emulated engines;
+    colocated workers neither put nor read).
     """
 
     enabled: bool = False
@@ -385,7 +386,7 @@ class StoreConfig:
     # `kvconductor up`) runs one itself and restarts it when it dies
     master_address: str = ""
     master_port: int = 0  # the embedded master's RPC port (0 = a free one, kept across its restarts)
-    segment_mb: int = 256  # DRAM each prefill and colocated worker contributes to the pool
+    segment_mb: int = 256  # DRAM each prefill worker contributes to the pool
     eviction_high_watermark_ratio: float = 0.9  # the embedded master evicts when the pool is this full ...
     eviction_ratio: float = 0.05  # ... this share of its objects, least recently used first
     read_timeout_s: float = 1.0  # a fill from the Store unanswered this long is given up: the prompt is recomputed
@@ -483,6 +484,12 @@ class Config:
             "[prefill] node_count",
             "prefill workers beside colocated ones (conditional disaggregation) need colocated workers that take "
             'KV from them: [engine] backend "builtin" or "emulated", not "vllm" yet',
+        )
+        _check(
+            not (self.store.enabled and self.engine.backend == "vllm"),
+            "[store] enabled",
+            'needs [engine] backend "builtin" or "emulated": vLLM workers copy prefixes between prefill workers '
+            "through vLLM's KV connector, but put nothing into the Mooncake Store yet",
         )
 
 

@@ -112,9 +112,18 @@ class WorkerRecord(InstanceRecord):
     kv_events_endpoint: str = ""  # its KV events in vLLM's ZMQ format ([engine] zmq_kv_events), tcp://host:port
 
     @property
+    def moves_kv_itself(self) -> bool:
+        """Whether its engine's own KV connector moves KV (vLLM's), instead of the worker's transfer engine."""
+        return self.engine == "vllm"
+
+    @property
     def exports_kv(self) -> bool:
-        """Whether peers can read its cached blocks (KV copies): the built-in pool (emulated too), not vLLM's."""
-        return self.engine != "vllm"
+        """Whether its cached blocks can be copied to a peer (and a peer's to it).
+
+        The built-in pool (emulated too), or vLLM's through its KV connector (prefill workers only: the
+        connector exports by running a request).
+        """
+        return not self.moves_kv_itself or bool(self.kv_bootstrap)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object stored in etcd."""

@@ -73,7 +73,7 @@ def _state(record: WorkerRecord, old: InstanceState | None) -> InstanceState:
     state = InstanceState(
         record.instance_id, record.role, costs.prefill, costs.decode, num_blocks=record.num_blocks,
         max_running=record.max_concurrent_requests, chunk_tokens=record.max_num_batched_tokens,
-        profile=costs.profile, exports_kv=record.exports_kv,
+        profile=costs.profile, exports_kv=record.exports_kv, kv_connector=record.moves_kv_itself,
     )  # fmt: skip
     if old is not None:
         state.prefilling, state.decoding = old.prefilling, old.decoding

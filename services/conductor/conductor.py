@@ -599,7 +599,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                         self.conductor_id, job.request_id, None, d.state, sampling.max_tokens, job.fixed_length
                     ),  # fmt: skip
                 )
-                if not p.record.exports_kv:  # vLLM: d queues the request now and p's connector pushes the KV
+                if p.record.moves_kv_itself:  # vLLM: d queues the request now and p's connector pushes the KV
                     reserve.prompt_token_ids.extend(tokens)
                     reserve.remote_prefill.engine_id = p.instance_id
                     reserve.remote_prefill.bootstrap_addr = p.record.kv_bootstrap

@@ -31,7 +31,7 @@ from services.common.rpc import Service
 from services.common.tasks import complete, spawn
 from services.common.telemetry import tracer
 from services.worker.engines.port import ImportedBlocks
-from services.worker.kv.copy import Exports, PrefixCopy, pull_from_store, pull_prefix
+from services.worker.kv.copy import ConnectorCopy, Exports, PrefixCopy, pull_by_connector, pull_from_store, pull_prefix
 from services.worker.kv.stream import KVStreamer
 from services.worker.worker import Worker, sampling_from_proto
 
@@ -160,10 +160,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         The decode request, queued by Reserve on the decode worker, names this worker as its KV's source. The
         reply carries the pushes the connector timed since the last one (earlier requests' KV, mostly: a push
-        follows its prefill), from which the Conductor learns this worker's send link.
+        follows its prefill), from which the Conductor learns this worker's send link. A planned copy pulls
+        the prefix's blocks through the connector first (``pull_by_connector``).
         """
         w, rid = self.worker, request.request_id
         start = time.perf_counter()
+        copy = None
+        if request.HasField("copy_source") and request.copy_num_blocks:
+            with tracer.start_as_current_span("prefill.kv_copy") as span:
+                num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // w.engine.layout.block_size)
+                copy = await pull_by_connector(w, prompt, num_blocks, request.copy_source)
+                span.set_attributes(_copy_attributes(request, copy))
+            if copy.bytes:
+                metrics.observe_transfer("copy", copy.bytes, copy.seconds)
         with tracer.start_as_current_span("prefill.compute") as span:
             async with contextlib.aclosing(w.engine.generate(rid, prompt, params, prefill_only=True)) as outputs:
                 async for out in outputs:  # noqa: B007 - the last output has token 0
@@ -177,6 +186,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_computed_tokens=len(prompt) - out.num_cached_tokens,
             prefill_seconds=time.perf_counter() - start,
             kv_pushes=[prefill_pb2.KVPush(bytes=b, seconds=t) for b, t in w.engine.take_kv_pushes()],
+            copied_tokens=copy.num_copied * w.engine.layout.block_size if copy else 0,
+            copy_bytes=copy.bytes if copy else 0,
+            copy_seconds=copy.seconds if copy else 0.0,
+            copy_note=copy.note if copy else "",
         )
 
     async def _settle(self, rid: str, streamer: KVStreamer, finished: bool) -> None:
@@ -232,7 +245,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return copy
 
 
-def _copy_attributes(request: prefill_pb2.PrefillRequest, copy: PrefixCopy | None) -> dict[str, str | int | float]:
+def _copy_attributes(
+    request: prefill_pb2.PrefillRequest, copy: PrefixCopy | ConnectorCopy | None
+) -> dict[str, str | int | float]:
     if copy is None:
         return {"kvconductor.copy.planned": 0}
     gbps = copy.bytes / copy.seconds / 1e9 if copy.seconds else 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 from helpers import (
     FAR_SLOS,
@@ -27,7 +28,7 @@ from helpers import (
 )
 
 from engine.block_hash import prefix_block_hashes
-from kvconductor.v1 import conductor_pb2
+from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
 
 pytestmark = pytest.mark.vllm
 PD = conductor_pb2.DEPLOYMENT_DISAGGREGATED
@@ -109,7 +110,9 @@ def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_h
             f"candidates (id, prefix, T_queue, T_prefill, T_send ms): {estimates}; {conductor_status(vllm_cluster)}"
         )
         assert usage.cached_tokens == reused  # vLLM's own count
-        assert {c.instance_id: c.prefix_len for c in decision.candidates} == {holder: reused, other: 0}
+        # The other prefill worker holds nothing of it: it would compute the prompt, or copy the prefix first.
+        plans = {c.instance_id: (c.prefix_len, c.copy_from) for c in decision.candidates}
+        assert plans[holder] == (reused, "") and plans[other] in ((0, ""), (reused, holder)), plans
     # The prompt KV crossed vLLM's MooncakeConnector from both prefill workers (its push statistics, counted
     # by the worker; a push is reported at the sender's next engine step, and each one stepped again since).
     loads = worker_loads(vllm_cluster)
@@ -118,6 +121,42 @@ def test_kvcache_centric_sends_each_repeated_prefix_to_the_prefill_worker_that_h
     # prefill worker's send link from them (any destination: the connector names none).
     learned = {link.source: link.samples for link in conductor_status(vllm_cluster).links if not link.destination}
     assert all(learned.get(i, 0) > 0 for i in (holder_a, holder_b)), learned
+
+
+def test_a_busy_vllm_holder_s_prefix_is_copied_to_the_other_prefill_worker_through_the_connector(vllm_cluster):
+    """Hot-spot replication on vLLM: with prompts on a prefix piling up on its holder, the Conductor plans a copy.
+
+    The puller runs the prefix as a remote-prefill request and the holder as an export (a request of its own,
+    ahead of the prompts waiting there), so the blocks cross vLLM's MooncakeConnector into the puller's prefix
+    cache; the prompt then hits them there, with the tokens that computing it gives.
+    """
+    prefix = _prompts(4, 1, 28 * BLOCK, 28 * BLOCK + 1)[0]
+    _, first, _ = grpc_generate(vllm_cluster, prefix + [1], PD)
+    holder = first.prefill_instance
+    wait_indexed(vllm_cluster, prefix, holder, BLOCK)
+    prompts = {f"hot-{k}": prefix + [k, k] for k in range(2, 10)}  # at once: the holder's queue grows with each
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = dict(zip(prompts, pool.map(lambda i: grpc_generate(vllm_cluster, prompts[i], PD, request_id=i),
+                                             prompts), strict=True))  # fmt: skip
+    copied = [i for i, (_, decision, _) in results.items() if decision.copy_from == holder]
+    assert copied, [(d.prefill_instance, d.copy_from, d.reason) for _, d, _ in results.values()]
+    request_id = copied[0]
+    tokens, decision, usage = results[request_id]
+    puller = decision.prefill_instance
+    assert puller != holder and decision.prefix_len == len(prefix)
+    assert usage.cached_tokens == len(prefix)  # vLLM's own count on the puller: the copied blocks hit
+    with grpc.insecure_channel(vllm_cluster.conductor) as channel:
+        explained = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
+            conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=10
+        )
+    assert explained.outcome.copied_tokens == len(prefix) and explained.outcome.kv_copy_ms > 0, explained.outcome
+    assert f"copies {len(prefix)} tokens of KV from {holder}" in explained.reason
+    wait_indexed(vllm_cluster, prefix, puller, BLOCK)  # vLLM's events index the copied blocks on the puller
+    reference, _, _ = grpc_generate(vllm_cluster, prompts[request_id], COLOCATED)
+    assert tokens == reference
+    # The Conductor learned the holder-to-puller link from the copy.
+    links = {(link.source, link.destination): link.samples for link in conductor_status(vllm_cluster).links}
+    assert links.get((holder, puller), 0) > 0, links
 
 
 def test_kill_9_of_a_vllm_decode_worker_mid_stream_resumes_with_identical_output(vllm_cluster):

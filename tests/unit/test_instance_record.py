@@ -1,5 +1,6 @@
 """The etcd record: a worker's record survives JSON, and a malformed one names what is wrong."""
 
+import dataclasses
 import json
 
 import pytest
@@ -23,7 +24,10 @@ def test_worker_record_round_trips_through_json():
     assert data["cost_model"]["profile"]["prefill"] == {"c0": 1e-3, "c1": 1e-5, "c2": 0.0}
     assert data["kv_layout"]["bytes_per_block"] == 8192
     assert InstanceRecord.from_json(data) == WORKER
-    assert not WORKER.exports_kv  # a vLLM worker's pool is not readable by peers: no KV copies from it
+    # A vLLM prefill worker exports and imports prefixes through its KV connector (it has a bootstrap server);
+    # a vLLM worker without one (colocated) takes part in no copy.
+    assert WORKER.exports_kv and WORKER.moves_kv_itself
+    assert not dataclasses.replace(WORKER, kv_bootstrap="").exports_kv
 
 
 def test_other_roles_are_plain_records():

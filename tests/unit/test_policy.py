@@ -8,8 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from scheduler.booking import Booking
 from scheduler.candidates import DecodeCandidate, PrefillCandidate, RequestShape, Resident, Slo
 from scheduler.cost_model import DecodeModel, LinkModels, PrefillModel, TransferModel
+from scheduler.instance import InstanceState
 from scheduler.kv_index import KVIndex
 from scheduler.policy import ConductorPolicy, CopySource, Plan, PolicyConfig, Rejection
 
@@ -87,6 +89,50 @@ def test_a_few_transfers_timed_on_a_busy_moment_do_not_move_a_link_model():
         [[1.0, b] for b in sizes], [0.001 + b / 1e9 + 0.5 * (k in (1, 6, 10)) for k, b in enumerate(sizes)], rcond=None
     )[0]
     assert least_squares[0] > 0.1
+
+
+def test_transfers_of_about_one_size_say_little_about_the_per_byte_time():
+    """vLLM's pushes of similar prompts: their times differ by contention, not by their few bytes apart."""
+    links = LinkModels(TransferModel(0.003, 1e9))
+    for nbytes, seconds in [(40_000_000, 0.2), (40_500_000, 0.45), (41_000_000, 0.22), (41_500_000, 0.5),
+                            (1_000_000, 0.006), (80_000_000, 0.4)]:  # fmt: skip
+        links.observe("p0", "", nbytes, seconds)
+    assert 0.15 < links.model("p0").predict(40_000_000) < 0.5  # unweighted pair slopes predicted 10 s and more
+
+
+def test_a_vllm_prefill_instance_sends_its_kv_after_the_prefill_and_exports_after_the_running_one():
+    """vLLM's connector: no KV streams while later chunks compute, and an export is a request queued there."""
+    vllm = InstanceState("p0", "prefill", PREFILL, DECODE, num_blocks=1000, max_running=8, chunk_tokens=64,
+                         kv_connector=True)  # fmt: skip
+    vllm.prefilling.add("running", Booking(0.0, 0.15, 1000, 0))
+    vllm.prefilling.add("waiting", Booking(0.0, 2.0, 4000, 0))
+    candidate = vllm.prefill_candidate(0, now=0.1)
+    assert candidate.t_queue == pytest.approx(2.05) and candidate.t_export == pytest.approx(0.05)
+    assert candidate.exposed_tokens(1000, 0) == 1000  # the whole prompt's KV after token 0
+    ours = InstanceState("p1", "prefill", PREFILL, DECODE, num_blocks=1000, max_running=8, chunk_tokens=64)
+    ours.prefilling.add("running", Booking(0.0, 0.5, 1000, 0))
+    assert ours.prefill_candidate(0, now=0.1).t_export == 0.0  # its pool is read without waiting for a step
+    assert ours.prefill_candidate(0, now=0.1).exposed_tokens(1000, 0) < 64  # the last chunk's KV only
+    # The copy from a busy vLLM holder waits for its running prefill: in T_transfer.
+    cluster = [replace(candidate, prefix_len=960), PrefillCandidate("cold", 0, 0.0, PREFILL)]
+    plan = policy().schedule(cluster, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(plan, Plan) and plan.prefill.instance_id == "cold" and plan.prefill.copy_from == "p0"
+    copy = FAST_LINK.model("p0", "cold").predict(60 * BPB)
+    export = PREFILL.predict(16, 960 - 16)  # the export computes the prefix's last block again
+    assert plan.prefill.t_transfer == pytest.approx(0.05 + export + copy)
+    # An import is a request of its own on the puller: its step counts too, when the puller's engine copies so.
+    both = [cluster[0], replace(cluster[1], copies_by_request=True)]
+    plan = policy().schedule(both, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(plan, Plan) and plan.prefill.copy_from == "p0"
+    assert plan.prefill.t_transfer == pytest.approx(0.05 + export + copy + PREFILL.predict(1, 959))
+    # An idle holder: its own prefill of the rest beats exporting, moving and importing the prefix elsewhere.
+    idle = [replace(cluster[0], t_export=0.0, t_queue=0.0), both[1]]
+    plan = policy().schedule(idle, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(plan, Plan) and (plan.prefill.instance_id, plan.prefill.copy_from) == ("p0", "")
+    # Behind a longer running prefill, recomputing on the cold instance is cheaper than waiting to copy.
+    cluster[0] = replace(cluster[0], t_export=0.5)
+    plan = policy().schedule(cluster, [decode()], shape(), SLO, FAST_LINK)
+    assert isinstance(plan, Plan) and (plan.prefill.instance_id, plan.prefill.copy_from) == ("cold", "")
 
 
 def test_prefix_holder_wins_when_idle():

@@ -173,6 +173,18 @@ class BuiltinEngine:
         with contextlib.suppress(EngineDied):
             await asyncio.shield(self._loop.call(abandon))
 
+    async def export_prefix(self, export_id: str, token_ids: Sequence[int]) -> None:
+        """Not for this engine: peers read its pool with the transfer engine (``pin_cached_blocks``)."""
+        raise NotImplementedError("the worker's transfer engine copies this engine's KV")
+
+    async def import_prefix(self, export_id: str, token_ids: Sequence[int], source: RemotePrefill) -> bool:
+        """Not for this engine: copies land in ``allocate_blocks``' blocks."""
+        raise NotImplementedError("the worker's transfer engine copies this engine's KV")
+
+    def held_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Not for this engine: ``pin_cached_blocks`` holds and counts them."""
+        raise NotImplementedError("the worker's transfer engine copies this engine's KV")
+
     def take_kv_pushes(self) -> list[tuple[int, float]]:
         """None: the worker's transfer engine moves this engine's KV, and times each write itself."""
         return []

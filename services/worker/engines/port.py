@@ -103,8 +103,9 @@ class EnginePort(Protocol):
     """An engine, as a worker uses it."""
 
     layout: KVLayout
-    # True when the engine moves prompt KV to the decode worker itself (vLLM's KV connector): no reservations,
-    # no block addresses, no KV copies; False when the worker's transfer engine writes into reserved blocks.
+    # True when the engine moves prompt KV itself (vLLM's KV connector): to the decode worker (no reservations,
+    # no block addresses) and between prefill workers (``export_prefix``/``import_prefix`` instead of the
+    # block calls); False when the worker's transfer engine writes into reserved blocks and reads peers' pools.
     moves_kv_itself: bool
 
     @property
@@ -170,6 +171,21 @@ class EnginePort(Protocol):
 
     async def abandon_import(self, imported: ImportedBlocks) -> None:
         """Give back a KV copy's blocks when its request will not run (copied ones stay cached)."""
+
+    async def export_prefix(self, export_id: str, token_ids: Sequence[int]) -> None:
+        """``moves_kv_itself`` engines: send this prefix's KV to the peer that imports ``export_id``.
+
+        Returns when the prefix's KV is ready to go.
+        """
+
+    async def import_prefix(self, export_id: str, token_ids: Sequence[int], source: RemotePrefill) -> bool:
+        """``moves_kv_itself`` engines: pull the blocks of this prefix the pool lacks; whether they arrived.
+
+        From ``source``'s export ``export_id``, into the prefix cache.
+        """
+
+    def held_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """``moves_kv_itself`` engines: leading blocks of ``block_hashes`` in the prefix cache now."""
 
     def take_kv_pushes(self) -> list[tuple[int, float]]:
         """(bytes, seconds) of each KV push the engine's own connector timed since the last call.

@@ -10,8 +10,11 @@ What differs from the built-in engine:
   the prompt with ``max_tokens=1`` (``do_remote_decode``) and its connector pushes the blocks over the
   Mooncake Transfer Engine. The decode request samples token 0 again (same logits, same seed: the same
   token) and ``decode`` drops it; a different token fails the attempt (``diverged``), and the request resumes.
-  No KV copies between prefill workers: vLLM's pool lives in its EngineCore (``exports_kv`` is False in the
-  record, so Algorithm 1 never plans a copy).
+* **KV copies between prefill workers** go through the same connector (prefill workers are ``kv_both``): the
+  holder runs the prefix as a request of its own (``export_prefix``: cached, one block computed, at
+  ``EXPORT_PRIORITY`` ahead of the prompts waiting there, so it waits only for the prefill running) whose
+  KV its connector sends to the puller, which runs the prefix as a remote-prefill request (``import_prefix``)
+  that pulls the blocks it lacks into its prefix cache. The prompt that follows hits them there.
 * **Decode admission** counts vLLM's real pool: a ``Reserve`` commits the blocks of its prompt and
   ``max_tokens`` until the request ends, and is refused (RESOURCE_EXHAUSTED, as on the built-in engine)
   when they exceed the free blocks: the fewer of the pool's free blocks after vLLM's last step (its block
@@ -58,6 +61,8 @@ HEALTH_PERIOD_S = 1.0
 CONNECTOR = "CpuMooncakeConnector"
 CONNECTOR_MODULE = "services.worker.engines.vllm_connector"
 PUSH_WINDOW = 64  # timed connector pushes kept for the next prefill response (the latest, when none goes out)
+EXPORT_PRIORITY = -1  # an export runs before the prompts waiting on the holder (vLLM: lower runs first; prompts 0)
+COPY_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # an export's or import's one token
 
 
 def diverged(request_id: str, decoded: int, prefilled: int) -> RpcError:
@@ -161,14 +166,17 @@ class VllmEngine:
             extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
         )  # fmt: skip
 
-    async def _stream(self, request_id: str, prompt: list[int], sampling: Any) -> AsyncIterator[StepOutput]:
+    async def _stream(
+        self, request_id: str, prompt: list[int], sampling: Any, priority: int = 0
+    ) -> AsyncIterator[StepOutput]:
         from vllm.inputs import TokensPrompt
 
         self._check_alive()
         finished = False
         self.contexts[request_id] = len(prompt)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sampling, request_id):
+            request = TokensPrompt(prompt_token_ids=prompt)
+            async for out in self.llm.generate(request, sampling, request_id, priority=priority):
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 self.contexts[request_id] = self.contexts.get(request_id, len(prompt)) + len(tokens)
@@ -297,19 +305,51 @@ class VllmEngine:
         with contextlib.suppress(Exception):
             await asyncio.shield(self.llm.abort(request_id))
 
+    async def export_prefix(self, export_id: str, token_ids: Sequence[int]) -> None:
+        """Run the prefix so that the connector sends its KV to the peer whose ``import_prefix`` names ``export_id``.
+
+        Cached here, it computes one block. Returns when its prefill is done; the blocks stay held for the
+        peer's pull, ``[cluster] kv_transfer_timeout_s`` at most.
+        """
+        transfer = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": export_id}
+        sampling = self._sampling(COPY_SAMPLING, transfer, prefill=True)
+        async for _ in self._stream(export_id, list(token_ids), sampling, EXPORT_PRIORITY):
+            pass
+
+    async def import_prefix(self, export_id: str, token_ids: Sequence[int], source: RemotePrefill) -> bool:
+        """Pull the blocks of the prefix ``token_ids`` this pool lacks from ``source``; whether they arrived.
+
+        They land in the prefix cache; a failed pull leaves the prompt to compute them.
+        """
+        transfer = {
+            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": source.engine_id,
+            "remote_bootstrap_addr": source.bootstrap_addr, "transfer_id": export_id,
+        }  # fmt: skip
+        sampling = self._sampling(COPY_SAMPLING, transfer, prefill=True)
+        reason = None
+        async for out in self._stream(export_id, list(token_ids), sampling):
+            reason = out.finish_reason
+        return reason == "length"
+
+    def held_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``block_hashes`` cached here, as vLLM's KV events last said."""
+        return self.events.held_prefix(block_hashes)
+
     async def pin_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
-        """No KV exports from vLLM's pool."""
-        return []
+        """Not readable by the worker's transfer engine: copies go through the connector (``export_prefix``)."""
+        raise NotImplementedError("vLLM's pool is copied through its KV connector")
 
     async def unpin_blocks(self, block_ids: Sequence[int]) -> None:
-        """Nothing is pinned."""
+        """Nothing is pinned (see ``pin_cached_blocks``)."""
+        raise NotImplementedError("vLLM's pool is copied through its KV connector")
 
     async def allocate_blocks(self, num_blocks: int) -> list[int] | None:
-        """No KV imports into vLLM's pool."""
-        return None
+        """Not writable by the worker's transfer engine: copies go through the connector (``import_prefix``)."""
+        raise NotImplementedError("vLLM's pool is copied through its KV connector")
 
     async def abandon_import(self, imported: ImportedBlocks) -> None:
-        """Nothing was imported."""
+        """Nothing was imported (see ``allocate_blocks``)."""
+        raise NotImplementedError("vLLM's pool is copied through its KV connector")
 
     def take_kv_pushes(self) -> list[tuple[int, float]]:
         """The connector's timed pushes since the last call (the prefill worker's next response carries them)."""
@@ -471,6 +511,12 @@ class KVEventTranslator:
             self._stored.append(StoredBlock(ours, parent, tokens))
             parent = ours
 
+    def held_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``block_hashes`` (ours) that vLLM's cache holds, as its events so far say."""
+        with self._lock:
+            held = set(self._ours.values())
+        return next((i for i, h in enumerate(block_hashes) if h not in held), len(block_hashes))
+
     def pop(self) -> tuple[list[StoredBlock], list[bytes]]:
         """Blocks stored and hashes removed since the last call."""
         with self._lock:
@@ -514,7 +560,8 @@ def engine_arguments(
             bootstrap = f"http://{host}:{port}"
         transfer = KVTransferConfig(
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_producer" if role == "prefill" else "kv_consumer", engine_id=instance_id,
+            # A prefill worker also pulls prefixes from its peers (KV copies): both roles.
+            kv_role="kv_both" if role == "prefill" else "kv_consumer", engine_id=instance_id,
             kv_connector_extra_config={"mooncake_protocol": config.cluster.transfer_backend},
             kv_load_failure_policy="fail",
         )  # fmt: skip
@@ -524,6 +571,7 @@ def engine_arguments(
         enforce_eager=True, block_size=config.block_size, enable_prefix_caching=caching,
         max_num_batched_tokens=pool_config.max_num_batched_tokens, max_num_seqs=pool_config.max_concurrent_requests,
         kv_cache_memory_bytes=pool_config.kv_cache_bytes, seed=0, kv_transfer_config=transfer,
+        scheduling_policy="priority" if role == "prefill" else "fcfs",  # exports go ahead of waiting prompts
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
         if caching and events_endpoint else None,
     )  # fmt: skip

@@ -10,6 +10,10 @@ The puller (the prefill worker the Conductor chose) and the exporter (the best h
     exporter (ReleaseBlocks): unpin
     puller: register the copied blocks in its prefix cache, then add the request, which now hits them
 
+An engine with its own KV connector (vLLM) copies through it instead (``pull_by_connector``): the exporter
+runs the prefix as a request whose KV its connector sends (``EnginePort.export_prefix``), the puller runs it
+as a request that pulls what it lacks into its prefix cache (``import_prefix``); the same two RPCs frame it.
+
 A copy that cannot happen (blocks evicted meanwhile, exporter unreachable, no free blocks) shrinks or
 is skipped: the request then computes what is missing, so a copy never fails a request. Exports are
 pinned for at most ``kv_transfer_timeout_s``, so a puller that dies cannot leak the exporter's blocks.
@@ -20,17 +24,20 @@ the one a copy is planned from).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from engine.block_hash import prefix_block_hashes
 from kvconductor.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.rpc import channel
 from services.common.tasks import complete, spawn
-from services.worker.engines.port import EnginePort, ImportedBlocks
+from services.worker.engines.port import EnginePort, ImportedBlocks, RemotePrefill
 from services.worker.kv.store import StoreIO
 from services.worker.worker import Worker
 
@@ -101,6 +108,58 @@ async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], sourc
         copy.note = f"{source.instance_id} had {copy.num_copied} of {len(copy.imported.targets)} blocks"
 
 
+@dataclass
+class ConnectorCopy:
+    """A copy through the engine's own KV connector, as the puller saw it."""
+
+    num_own: int  # leading blocks the puller held already (its KV events' view)
+    num_copied: int = 0  # blocks pulled from the exporter
+    bytes: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+
+async def pull_by_connector(
+    worker: Worker, prompt: list[int], num_blocks: int, source: prefill_pb2.KVSource
+) -> ConnectorCopy:
+    """Pull the first ``num_blocks`` prompt blocks this worker lacks from ``source`` through the engine's connector.
+
+    Never raises on a failed copy: the prompt then computes the blocks.
+    """
+    engine, bs = worker.engine, worker.engine.layout.block_size
+    tokens = prompt[: num_blocks * bs]
+    hashes = prefix_block_hashes(tokens, bs)
+    copy = ConnectorCopy(num_own=engine.held_prefix_blocks(hashes))
+    if copy.num_own >= num_blocks:
+        return copy
+    timeout = worker.config.cluster.kv_transfer_timeout_s
+    start = time.perf_counter()
+    async with channel(source.address) as source_channel:
+        stub = prefill_pb2_grpc.PrefillStub(source_channel)
+        try:
+            exported = await stub.ExportBlocks(
+                prefill_pb2.ExportBlocksRequest(block_hashes=hashes, token_ids=tokens), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            copy.note = f"{source.instance_id} did not export: {e.code().name}"
+            return copy
+        try:
+            remote = RemotePrefill(source.instance_id, exported.transfer_endpoint)
+            async with asyncio.timeout(timeout):
+                arrived = await engine.import_prefix(exported.export_id, tokens, remote)
+        except Exception as e:  # noqa: BLE001 - a failed copy leaves the prompt to compute the blocks
+            arrived, copy.note = False, f"the pull from {source.instance_id} failed: {e or type(e).__name__}"
+        finally:
+            await _release(stub, exported.export_id, timeout)
+    copy.seconds = time.perf_counter() - start
+    if arrived:
+        copy.num_copied = num_blocks - copy.num_own
+        copy.bytes = copy.num_copied * engine.layout.bytes_per_block
+    elif not copy.note:
+        copy.note = f"the pull from {source.instance_id} failed"
+    return copy
+
+
 async def pull_from_store(worker: Worker, copy: PrefixCopy, store_id: str) -> None:
     """Read the blocks ``copy`` lacks from the Mooncake Store (never raises on a failed read).
 
@@ -164,27 +223,43 @@ async def _release(stub: prefill_pb2_grpc.PrefillStub, export_id: str, timeout: 
 
 
 class Exports:
-    """The exporter's pinned blocks, by export id, with deadlines."""
+    """The exporter's exports in progress, by export id, each with how to end it and its deadline."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self._pinned: dict[str, tuple[list[int], float]] = {}
+        self._open: dict[str, tuple[Callable[[], Awaitable[None]], float]] = {}
 
     async def export(self, request: prefill_pb2.ExportBlocksRequest) -> prefill_pb2.ExportBlocksResponse:
-        """Pin the leading run of the requested blocks still cached here."""
+        """Pin the leading run of the requested blocks still cached here.
+
+        An engine with its own KV connector starts the request whose KV the connector sends to the puller.
+        """
         hashes, tokens = list(request.block_hashes), list(request.token_ids)
-        if len(tokens) != len(hashes) * self.worker.engine.layout.block_size:
+        engine = self.worker.engine
+        layout = engine.layout
+        if len(tokens) != len(hashes) * layout.block_size:
             raise ValueError("token_ids must hold exactly the requested blocks' tokens")
         export_id = uuid.uuid4().hex
-        engine = self.worker.engine
+        deadline = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
+        if engine.moves_kv_itself:
+            running = spawn(engine.export_prefix(export_id, tokens), f"export {export_id}")
+
+            async def stop() -> None:  # a request not done yet is aborted (its blocks were never sent)
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
+
+            self._open[export_id] = (stop, deadline)
+            return prefill_pb2.ExportBlocksResponse(
+                export_id=export_id, transfer_endpoint=self.worker.kv_bootstrap, bytes_per_block=layout.bytes_per_block
+            )
 
         async def pin() -> list[int]:  # on the books even if the caller goes away mid-way (then it expires)
             blocks = await engine.pin_cached_blocks(hashes, tokens)
-            self._pinned[export_id] = (blocks, time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s)
+            self._open[export_id] = (lambda: engine.unpin_blocks(blocks), deadline)
             return blocks
 
         blocks = await complete(pin())
-        layout = engine.layout
         return prefill_pb2.ExportBlocksResponse(
             export_id=export_id,
             transfer_endpoint=self.worker.transfer.endpoint,
@@ -193,11 +268,11 @@ class Exports:
         )
 
     async def release(self, export_id: str) -> bool:
-        """Unpin an export; False if unknown (already released or expired)."""
-        entry = self._pinned.pop(export_id, None)
+        """End an export (unpin its blocks); False if unknown (already released or expired)."""
+        entry = self._open.pop(export_id, None)
         if entry is None:
             return False
-        await self.worker.engine.unpin_blocks(entry[0])
+        await entry[0]()
         return True
 
     async def expire(self) -> None:
@@ -205,6 +280,6 @@ class Exports:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for export_id in [k for k, (_, deadline) in self._pinned.items() if deadline < now]:
+            for export_id in [k for k, (_, deadline) in self._open.items() if deadline < now]:
                 log.warning("export %s was never released; unpinning its blocks", export_id)
                 await self.release(export_id)

@@ -134,12 +134,17 @@ def test_a_busy_vllm_holder_s_prefix_is_copied_to_the_other_prefill_worker_throu
     _, first, _ = grpc_generate(vllm_cluster, prefix + [1], PD)
     holder = first.prefill_instance
     wait_indexed(vllm_cluster, prefix, holder, BLOCK)
-    prompts = {f"hot-{k}": prefix + [k, k] for k in range(2, 10)}  # at once: the holder's queue grows with each
+    # At once, each with two chunks of its own to compute: the holder's queue grows with each by more than a
+    # copy costs (the export's step, the bytes, the import's step).
+    tails = _prompts(5, 8, 3 * BLOCK, 3 * BLOCK + 1)
+    prompts = {f"hot-{k}": prefix + tail for k, tail in enumerate(tails)}
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = dict(zip(prompts, pool.map(lambda i: grpc_generate(vllm_cluster, prompts[i], PD, request_id=i),
                                              prompts), strict=True))  # fmt: skip
     copied = [i for i, (_, decision, _) in results.items() if decision.copy_from == holder]
-    assert copied, [(d.prefill_instance, d.copy_from, d.reason) for _, d, _ in results.values()]
+    estimates = [[(c.instance_id, c.copy_from, round(c.t_queue_ms), round(c.t_transfer_ms), round(c.t_prefill_ms),
+                   round(c.t_send_ms)) for c in d.candidates] for _, d, _ in results.values()]  # fmt: skip
+    assert copied, f"no copy (id, copy from, T_queue, T_transfer, T_prefill, T_send ms): {estimates}"
     request_id = copied[0]
     tokens, decision, usage = results[request_id]
     puller = decision.prefill_instance

@@ -143,18 +143,26 @@ async def pull_by_connector(
         except grpc.aio.AioRpcError as e:
             copy.note = f"{source.instance_id} did not export: {e.code().name}"
             return copy
+        exported_blocks = min(exported.num_blocks, num_blocks)
+        if exported_blocks <= copy.num_own:
+            copy.note = f"{source.instance_id} had {exported.num_blocks} of {num_blocks} blocks"
+            if exported.export_id:
+                await _release(stub, exported.export_id, timeout)
+            return copy
         try:
             remote = RemotePrefill(source.instance_id, exported.transfer_endpoint)
             async with asyncio.timeout(timeout):
-                arrived = await engine.import_prefix(exported.export_id, tokens, remote)
+                arrived = await engine.import_prefix(exported.export_id, tokens[: exported_blocks * bs], remote)
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the prompt to compute the blocks
             arrived, copy.note = False, f"the pull from {source.instance_id} failed: {e or type(e).__name__}"
         finally:
             await _release(stub, exported.export_id, timeout)
     copy.seconds = time.perf_counter() - start
     if arrived:
-        copy.num_copied = num_blocks - copy.num_own
+        copy.num_copied = exported_blocks - copy.num_own
         copy.bytes = copy.num_copied * engine.layout.bytes_per_block
+        if exported_blocks < num_blocks:
+            copy.note = f"{source.instance_id} had {exported_blocks} of {num_blocks} blocks"
     elif not copy.note:
         copy.note = f"the pull from {source.instance_id} failed"
     return copy
@@ -242,7 +250,10 @@ class Exports:
         export_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
         if engine.moves_kv_itself:
-            running = spawn(engine.export_prefix(export_id, tokens), f"export {export_id}")
+            held = engine.held_prefix_blocks(hashes)  # an export of blocks not cached here would compute them
+            if held == 0:
+                return prefill_pb2.ExportBlocksResponse(bytes_per_block=layout.bytes_per_block)
+            running = spawn(engine.export_prefix(export_id, tokens[: held * layout.block_size]), f"export {export_id}")
 
             async def stop() -> None:  # a request not done yet is aborted (its blocks were never sent)
                 running.cancel()
@@ -251,8 +262,9 @@ class Exports:
 
             self._open[export_id] = (stop, deadline)
             return prefill_pb2.ExportBlocksResponse(
-                export_id=export_id, transfer_endpoint=self.worker.kv_bootstrap, bytes_per_block=layout.bytes_per_block
-            )
+                export_id=export_id, transfer_endpoint=self.worker.kv_bootstrap,
+                bytes_per_block=layout.bytes_per_block, num_blocks=held,
+            )  # fmt: skip
 
         async def pin() -> list[int]:  # on the books even if the caller goes away mid-way (then it expires)
             blocks = await engine.pin_cached_blocks(hashes, tokens)

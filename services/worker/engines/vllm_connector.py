@@ -5,6 +5,9 @@ worker process. Three things happen on import:
 
 * ``torch.accelerator.current_device_index()`` raises on a CPU-only torch, and the connector's worker
   calls it once in its constructor; on such a torch it answers 0 (the CPU "device").
+* On a CPU-only torch, vLLM's processes spin on their shared-memory message queues for 2 ms instead of a
+  second after each message (``CPU_BUSY_LOOP_S``): on two cores, engines spinning between their steps
+  took the cores from the other engine and from our services (measured in ``bench/results/compare/vllm``).
 * A daemon thread ends this process as soon as its parent is gone. vLLM's children do not reliably die
   with a SIGKILLed parent (vllm#55510): an orphaned EngineCore keeps its bootstrap, ZMQ and transfer
   ports and over a gigabyte of memory. A worker killed with kill -9 must leave nothing behind.
@@ -23,9 +26,11 @@ import time
 
 import torch
 
-if not torch.accelerator.is_available():
+CPU_ONLY = not torch.accelerator.is_available()
+if CPU_ONLY:
     torch.accelerator.current_device_index = lambda: 0
 
+from vllm.distributed.device_communicators import shm_broadcast  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (  # noqa: E402
     MooncakeConnector,
@@ -37,6 +42,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import
 from services.worker.kv import bind_guard  # noqa: E402
 
 PARENT_POLL_S = 0.5
+# After each message from its scheduler, a vLLM process spins on its shared-memory queue (sched_yield) for a
+# second before it sleeps on a socket. On a CPU-only host every engine of the cluster shares the cores with
+# its peers and our services: there the spin is cut to this long.
+CPU_BUSY_LOOP_S = 0.002
+_spin_wait = shm_broadcast.SpinCondition.wait
+
+
+def _wait_briefly(self: shm_broadcast.SpinCondition, timeout_ms: int | None = None) -> None:
+    self.busy_loop_s = min(self.busy_loop_s, CPU_BUSY_LOOP_S)
+    _spin_wait(self, timeout_ms)
 
 
 def _exit_with_parent() -> None:
@@ -59,6 +74,9 @@ class _BootstrapOnHost(MooncakeBootstrapServer):
 if HOST and not bind_guard.resolve(HOST).is_unspecified:
     mooncake_connector.MooncakeBootstrapServer = _BootstrapOnHost  # type: ignore[attr-defined]  # what it calls
     bind_guard.install(bind_guard.resolve(HOST))  # the module import above loaded Mooncake's engine
+
+if CPU_ONLY:
+    shm_broadcast.SpinCondition.wait = _wait_briefly  # type: ignore[method-assign]
 
 if multiprocessing.parent_process() is not None:  # one of vLLM's spawned processes, not the worker itself
     threading.Thread(target=_exit_with_parent, name="kvconductor-orphan-guard", daemon=True).start()

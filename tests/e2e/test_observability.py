@@ -65,23 +65,32 @@ def test_one_trace_spans_gateway_conductor_prefill_transfer_and_decode(cluster):
 
 
 def test_metrics_endpoints_report_traffic(cluster):
+    records = helpers.records(cluster)
+    sent, received = (f'kvconductor_kv_transfer_bytes_total{{direction="{d}"}}' for d in ("sent", "received"))
+
+    def kv_bytes() -> tuple[float, float]:  # every prefill worker's sent bytes, the decode worker's received
+        prefills = sum(
+            helpers.scrape(records[("prefill", i)].metrics_address).get(sent, 0) for i in ("prefill-0", "prefill-1")
+        )
+        return prefills, helpers.scrape(records[("decode", "decode-0")].metrics_address).get(received, 0)
+
+    # The counters are the shared cluster's since it started: a request of an earlier test whose KV was
+    # written but whose decode never began (a client gone meanwhile) is sent and never received. Our two
+    # requests' bytes must match.
+    before = kv_bytes()
     for n in (50, 120):
         helpers.grpc_generate(cluster, list(range(1, n)), conductor_pb2.DEPLOYMENT_DISAGGREGATED)
     httpx.get(f"{cluster.rest}/models", timeout=10)
-    records = helpers.records(cluster)
     conductor = helpers.scrape(records[("conductor", "conductor-0")].metrics_address)
     assert conductor['kvconductor_requests_total{outcome="completed",path="disaggregated"}'] >= 2
     assert conductor['kvconductor_ttft_seconds_count{path="disaggregated"}'] >= 2
     assert conductor['kvconductor_ttft_seconds_sum{path="disaggregated"}'] > 0
     assert conductor["kvconductor_prompt_tokens_total"] >= 49 + 119
     assert conductor['kvconductor_prediction_relative_error_count{metric="ttft"}'] >= 2
-    sent = 'kvconductor_kv_transfer_bytes_total{direction="sent"}'
-    prefill_sent = sum(
-        helpers.scrape(records[("prefill", i)].metrics_address).get(sent, 0) for i in ("prefill-0", "prefill-1")
-    )
-    assert prefill_sent > 0
+    after = kv_bytes()
+    prefill_sent, decode_received = after[0] - before[0], after[1] - before[1]
+    assert prefill_sent > 0 and decode_received == prefill_sent
     decode = helpers.scrape(records[("decode", "decode-0")].metrics_address)
-    assert decode['kvconductor_kv_transfer_bytes_total{direction="received"}'] == prefill_sent
     assert decode['kvconductor_kv_blocks{state="free"}'] > 0
     assert 'kvconductor_queue_length{state="running"}' in decode
     gateway = helpers.scrape(cluster.rest.removesuffix("/v1").removeprefix("http://"))

@@ -154,7 +154,10 @@ def test_a_busy_vllm_holder_s_prefix_is_copied_to_the_other_prefill_worker_throu
         explained = conductor_pb2_grpc.ConductorStub(channel).ExplainDecision(
             conductor_pb2.ExplainDecisionRequest(request_id=request_id), timeout=10
         )
-    assert explained.outcome.copied_tokens == len(prefix) and explained.outcome.kv_copy_ms > 0, explained.outcome
+    # The puller may hold the prefix's first blocks already (a prompt of the burst computing there leaves them
+    # chunk by chunk): it pulls the rest.
+    copied = explained.outcome.copied_tokens
+    assert 0 < copied <= len(prefix) and copied % BLOCK == 0 and explained.outcome.kv_copy_ms > 0, explained.outcome
     assert f"copies {len(prefix)} tokens of KV from {holder}" in explained.reason
     wait_indexed(vllm_cluster, prefix, puller, BLOCK)  # vLLM's events index the copied blocks on the puller
     reference, _, _ = grpc_generate(vllm_cluster, prompts[request_id], COLOCATED)

@@ -119,12 +119,17 @@ def test_a_read_the_hanging_master_does_not_answer_is_given_up_within_its_bound(
     import asyncio
     import time
 
+    # Another process puts the blocks: a client that put them itself may answer a read without the master.
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    writer = ctx.Process(target=_writer, args=(child, _record(master)))
+    writer.start()
+
     async def scenario() -> None:
         pool = torch.zeros(BLOCKS * BLOCK_BYTES, dtype=torch.uint8)
-        pool[: 4 * BLOCK_BYTES] = 7
         store = _store(pool, _record(master), read_timeout_s=0.5)
+        _wait_connected(store)
         hashes = [bytes([h]) * 32 for h in range(4)]
-        assert (await store.put(hashes, [0, 1, 2, 3])).blocks == 4
         os.kill(master.pid, signal.SIGSTOP)  # alive but silent: Mooncake's own call would wait 30 s
         try:
             start = time.monotonic()
@@ -141,4 +146,12 @@ def test_a_read_the_hanging_master_does_not_answer_is_given_up_within_its_bound(
         late = await asyncio.wait_for(io.pending, 60)  # the master answers again: the call ends, blocks freed
         assert late.blocks in (0, 4), late
 
-    asyncio.run(scenario())
+    try:
+        assert parent.poll(60), "the writer never answered"
+        assert parent.recv()[0] == 8
+        asyncio.run(scenario())
+    finally:
+        parent.send("go")
+        writer.join(30)
+        if writer.is_alive():
+            writer.kill()

@@ -3,6 +3,8 @@
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from engine.block_hash import prefix_block_hashes
 from kvconductor.v1 import prefill_pb2
 from services.worker.engines.port import KVLayout
@@ -59,5 +61,16 @@ def test_a_holder_that_evicted_the_prefix_starts_no_export():
         engine = ConnectorEngine(held=0)
         response = await _exports(engine).export(_request(list(range(4 * BLOCK))))
         assert (response.export_id, response.num_blocks) == ("", 0) and engine.exports == []
+
+    asyncio.run(run())
+
+
+def test_an_export_longer_than_the_context_is_refused_before_anything_starts():
+    async def run():
+        engine = ConnectorEngine(held=100)
+        tokens = list(range(65 * BLOCK))  # one block past max_model_len (64 blocks)
+        with pytest.raises(ValueError, match="exceed the model's context"):
+            await _exports(engine).export(_request(tokens))
+        assert engine.exports == []
 
     asyncio.run(run())

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -84,25 +84,12 @@ async def pull_prefix(worker: Worker, copy: PrefixCopy, prompt: list[int], sourc
         return
     block_size = worker.engine.layout.block_size
     first, last = copy.num_own, copy.num_own + len(copy.imported.targets)
-    timeout = worker.config.cluster.kv_transfer_timeout_s
+    hashes = copy.imported.block_hashes[first:last]
     start = time.perf_counter()
-    async with channel(source.address) as source_channel:
-        stub = prefill_pb2_grpc.PrefillStub(source_channel)
-        try:
-            exported = await stub.ExportBlocks(
-                prefill_pb2.ExportBlocksRequest(
-                    block_hashes=copy.imported.block_hashes[first:last],
-                    token_ids=prompt[first * block_size : last * block_size],
-                ),
-                timeout=timeout,
-            )
-        except grpc.aio.AioRpcError as e:
-            copy.note = f"{source.instance_id} did not export: {e.code().name}"
+    async with _export(worker, source, hashes, prompt[first * block_size : last * block_size], copy) as exported:
+        if exported is None:
             return
-        try:
-            await _read(worker, copy, exported)
-        finally:
-            await _release(stub, exported.export_id, timeout)
+        await _read(worker, copy, exported)
     copy.seconds = time.perf_counter() - start
     if copy.num_copied < len(copy.imported.targets):
         copy.note = f"{source.instance_id} had {copy.num_copied} of {len(copy.imported.targets)} blocks"
@@ -132,31 +119,20 @@ async def pull_by_connector(
     copy = ConnectorCopy(num_own=engine.held_prefix_blocks(hashes))
     if copy.num_own >= num_blocks:
         return copy
-    timeout = worker.config.cluster.kv_transfer_timeout_s
     start = time.perf_counter()
-    async with channel(source.address) as source_channel:
-        stub = prefill_pb2_grpc.PrefillStub(source_channel)
-        try:
-            exported = await stub.ExportBlocks(
-                prefill_pb2.ExportBlocksRequest(block_hashes=hashes, token_ids=tokens), timeout=timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            copy.note = f"{source.instance_id} did not export: {e.code().name}"
+    async with _export(worker, source, hashes, tokens, copy) as exported:
+        if exported is None:
             return copy
         exported_blocks = min(exported.num_blocks, num_blocks)
         if exported_blocks <= copy.num_own:
             copy.note = f"{source.instance_id} had {exported.num_blocks} of {num_blocks} blocks"
-            if exported.export_id:
-                await _release(stub, exported.export_id, timeout)
             return copy
         try:
             remote = RemotePrefill(source.instance_id, exported.transfer_endpoint)
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(worker.config.cluster.kv_transfer_timeout_s):
                 arrived = await engine.import_prefix(exported.export_id, tokens[: exported_blocks * bs], remote)
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the prompt to compute the blocks
             arrived, copy.note = False, f"the pull from {source.instance_id} failed: {e or type(e).__name__}"
-        finally:
-            await _release(stub, exported.export_id, timeout)
     copy.seconds = time.perf_counter() - start
     if arrived:
         copy.num_copied = exported_blocks - copy.num_own
@@ -223,6 +199,33 @@ async def _read(worker: Worker, copy: PrefixCopy, exported: prefill_pb2.ExportBl
     copy.imported.num_copied, copy.bytes = n, result.bytes
 
 
+@contextlib.asynccontextmanager
+async def _export(
+    worker: Worker,
+    source: prefill_pb2.KVSource,
+    hashes: list[bytes],
+    tokens: list[int],
+    copy: PrefixCopy | ConnectorCopy,
+) -> AsyncIterator[prefill_pb2.ExportBlocksResponse | None]:
+    """Ask ``source`` to export these blocks, released when the block ends (``None``, noted on ``copy``: refused)."""
+    timeout = worker.config.cluster.kv_transfer_timeout_s
+    async with channel(source.address) as source_channel:
+        stub = prefill_pb2_grpc.PrefillStub(source_channel)
+        try:
+            exported = await stub.ExportBlocks(
+                prefill_pb2.ExportBlocksRequest(block_hashes=hashes, token_ids=tokens), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            copy.note = f"{source.instance_id} did not export: {e.code().name}"
+            yield None
+            return
+        try:
+            yield exported
+        finally:
+            if exported.export_id:
+                await _release(stub, exported.export_id, timeout)
+
+
 async def _release(stub: prefill_pb2_grpc.PrefillStub, export_id: str, timeout: float) -> None:
     try:
         await stub.ReleaseBlocks(prefill_pb2.ReleaseBlocksRequest(export_id=export_id), timeout=timeout)
@@ -247,6 +250,8 @@ class Exports:
         layout = engine.layout
         if len(tokens) != len(hashes) * layout.block_size:
             raise ValueError("token_ids must hold exactly the requested blocks' tokens")
+        if len(tokens) > layout.max_model_len:  # a prefix no prompt here can have: nothing to pin or start
+            raise ValueError(f"{len(tokens)} token_ids exceed the model's context ({layout.max_model_len} tokens)")
         export_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.worker.config.cluster.kv_transfer_timeout_s
         if engine.moves_kv_itself:

@@ -224,6 +224,19 @@ class ClusterView:
         )
         return [v for v in live if v.instance_id not in self._suspects] or live
 
+    async def pool_after_failures(self, role: str, failed: Collection[str], wait_s: float) -> list[InstanceView]:
+        """For a retry: the role's instances but those that ``failed`` the request, else the failed ones that live on.
+
+        With none left but them, a failed instance still registered serves the retry once its quarantine ends
+        (within ``wait_s``): on a starved machine a KV write cut short by its timeout is rarely a dead worker,
+        and a dead one's lease expires within its quarantine, so it drops out meanwhile.
+        """
+        pool = self.pool(role, exclude=failed)
+        if pool or not failed:
+            return pool
+        await self.wait_for(lambda: bool(self.pool(role)), wait_s)
+        return self.pool(role)
+
     def scheduling(self, instance_id: str, now: float) -> str:
         """How the Conductor treats the instance now: "suspect", "quarantined" or "ok"."""
         if instance_id in self._suspects:

@@ -449,11 +449,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     async def _pool(self, role: str, job: Job) -> list[InstanceView]:
         """The role's instances this attempt may use; with none registered now, wait ``worker_wait_s`` for one.
 
-        Not after this request's own workers failed: then the failure is the answer, at once.
+        A retry goes elsewhere than the instances that failed this request; with nowhere else, to one of them that
+        keeps its lease, once its quarantine ends (``ClusterView.pool_after_failures``), else the failure is the answer.
         """
         if not job.failed:
             await self.view.wait_for(lambda: bool(self.view.pool(role)), self.config.scheduler.worker_wait_s)
-        pool = self.view.pool(role, exclude=job.failed)
+        pool = await self.view.pool_after_failures(role, job.failed, self.config.cluster.lease_ttl_s + 2.0)
         if not pool and job.failed:  # a retry with nowhere left to go: the failure, not a capacity rejection
             raise RpcError(UNAVAILABLE, f"no {role} instance left after {', '.join(sorted(job.failed))} failed")
         if not pool:  # every one of them is quarantined

@@ -63,6 +63,17 @@ async def test_waiting_for_a_worker_ends_when_one_registers_or_a_quarantine_ends
     assert await view.wait_for(lambda: bool(view.pool("decode")), 30) is True  # no event: the quarantine ended
 
 
+async def test_a_retry_with_nowhere_else_goes_back_to_a_failed_instance_that_lives_on_after_its_quarantine():
+    view = _view("decode-0", "decode-1")
+    assert _ids(await view.pool_after_failures("decode", {"decode-0"}, 30)) == ["decode-1"]  # elsewhere first
+    view = _view("decode-0")
+    view.quarantine("decode-0", 0.3)  # it failed this request (a KV write cut short)
+    assert _ids(await view.pool_after_failures("decode", {"decode-0"}, 30)) == ["decode-0"]  # once the quarantine ends
+    view.quarantine("decode-0", 60)
+    asyncio.get_running_loop().call_later(0.05, view._apply, InstanceEvent("delete", "decode", "decode-0", None))
+    assert await view.pool_after_failures("decode", {"decode-0"}, 0.5) == []  # it died: its lease expired meanwhile
+
+
 async def test_an_instance_back_after_its_lease_expired_keeps_its_channel_and_bookings():
     view = _view("decode-0")
     before = view.instances["decode-0"]

@@ -85,3 +85,19 @@ def test_our_zmq_events_decode_as_vllms_and_translate_back_to_the_same_blocks():
     finally:
         sub.close(linger=0)
         publisher.close()
+
+
+def test_blocks_a_connector_keeps_in_another_tier_are_not_credited_to_vllms_own_pool():
+    tokens = list(range(300, 300 + 2 * BS))
+    ours = prefix_block_hashes(tokens, BS)
+    t = KVEventTranslator(BS)
+    store = kv_events.BlockStored(block_hashes=[b"a", b"b"], parent_block_hash=None, token_ids=tokens, block_size=BS,
+                                  lora_id=None, medium="cpu", lora_name=None)  # fmt: skip
+    t.apply_payload(_batch(store))  # the Mooncake Store connector's put (or a CPU offload): not in vLLM's pool
+    assert t.pop() == ([], []) and t.held_prefix(ours) == 0
+    t.apply_payload(_batch(_stored([b"a", b"b"], None, tokens)))  # computed here
+    assert t.held_prefix(ours) == 2
+    t.apply_payload(_batch(kv_events.BlockRemoved(block_hashes=[b"b"], medium="cpu")))  # evicted from that tier only
+    assert t.held_prefix(ours) == 2 and t.pop()[1] == []
+    t.apply_payload(_batch(kv_events.BlockRemoved(block_hashes=[b"b"], medium="GPU")))
+    assert t.held_prefix(ours) == 1 and t.pop()[1] == [ours[1]]

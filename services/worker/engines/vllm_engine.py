@@ -39,7 +39,7 @@ import os
 import socket
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -57,6 +57,7 @@ from services.worker.engines.port import EngineLoad, ImportedBlocks, KVLayout, R
 from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
+MEDIUM_GPU = "GPU"  # vllm.distributed.kv_events.MEDIUM_GPU: vLLM's own pool (vLLM is imported lazily)
 HEALTH_PERIOD_S = 1.0
 CONNECTOR = "CpuMooncakeConnector"
 CONNECTOR_MODULE = "services.worker.engines.vllm_connector"
@@ -437,12 +438,17 @@ class KVEventTranslator:
     vLLM's block hashes depend on its hash algorithm, seed and version; ours depend only on the tokens. A
     ``BlockStored`` names its parent (vLLM's hash) and carries its token ids, so each vLLM hash maps to
     ``hash_block(ours(parent), tokens)``. A block whose parent is unknown (events missed) is skipped.
+
+    Only events of vLLM's own pool count (``medium`` "GPU", the name vLLM gives its device pool on every
+    platform, or none): a KV connector's tiers (a CPU offload, the Mooncake Store) publish theirs on the same
+    socket, and a block there is not one a request here hits without a load.
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.endpoint = ""
         self._ours: dict[Any, bytes] = {}
+        self._held: Counter[bytes] = Counter()  # the values of _ours (``held_prefix`` reads it per copy)
         self._stored: list[StoredBlock] = []
         self._removed: list[bytes] = []
         self._lock = threading.Lock()
@@ -487,13 +493,24 @@ class KVEventTranslator:
         with self._lock:
             for event in events:
                 kind = type(event).__name__
+                if getattr(event, "medium", None) not in (None, MEDIUM_GPU):
+                    continue
                 if kind == "BlockStored":
                     self._stored_block(event)
                 elif kind == "BlockRemoved":
-                    self._removed.extend(h for h in (self._ours.pop(v, None) for v in event.block_hashes) if h)
+                    self._removed.extend(h for h in (self._forget(v) for v in event.block_hashes) if h)
                 elif kind == "AllBlocksCleared":
                     self._removed.extend(self._ours.values())
                     self._ours.clear()
+                    self._held.clear()
+
+    def _forget(self, theirs: Any) -> bytes | None:
+        ours = self._ours.pop(theirs, None)
+        if ours is not None:
+            self._held[ours] -= 1
+            if not self._held[ours]:
+                del self._held[ours]
+        return ours
 
     def _stored_block(self, event: Any) -> None:
         parent: bytes | None = None
@@ -507,15 +524,16 @@ class KVEventTranslator:
             if len(tokens) < size:
                 return
             ours = hash_block(parent, tokens)
+            self._forget(theirs)  # stored again (vLLM re-announces a block it evicted and computed anew)
             self._ours[theirs] = ours
+            self._held[ours] += 1
             self._stored.append(StoredBlock(ours, parent, tokens))
             parent = ours
 
     def held_prefix(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``block_hashes`` (ours) that vLLM's cache holds, as its events so far say."""
         with self._lock:
-            held = set(self._ours.values())
-        return next((i for i, h in enumerate(block_hashes) if h not in held), len(block_hashes))
+            return next((i for i, h in enumerate(block_hashes) if h not in self._held), len(block_hashes))
 
     def pop(self) -> tuple[list[StoredBlock], list[bytes]]:
         """Blocks stored and hashes removed since the last call."""

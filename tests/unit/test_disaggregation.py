@@ -199,3 +199,14 @@ def test_a_colocated_request_skips_the_instance_whose_decodes_its_prompt_would_s
     assert "; not c0: its prompt's" in plan.reason
     unchecked = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], Slo(10.0, 0.05, reject=False), True)
     assert isinstance(unchecked, Plan) and unchecked.prefill.instance_id == "c0"
+
+
+def test_a_colocated_request_that_stalls_decodes_everywhere_is_placed_where_it_pushes_the_fewest_not_refused():
+    c0, c1 = state("c0", "colocated"), state("c1", "colocated")
+    for c, n in ((c0, 2), (c1, 3)):  # a few tokens left each: the prompt's chunks would be their longest gaps
+        for i in range(n):
+            _resident(c, f"short-{i}", 0.3)
+    slo = Slo(max_ttft=10.0, max_tbt=0.05)
+    plan = core().decide(0.0, shape(8192), {"c1": 6144}, [c0, c1], [c0, c1], slo, True)  # c1 holds 3/4 of it
+    assert isinstance(plan, Plan) and plan.prefill.instance_id == "c0"
+    assert "; not c1: its prompt's" in plan.reason and "taken all the same: no instance avoids it" in plan.reason

@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/kvconductor/v1/*.proto)
 PROTO_STAMP := protos/kvconductor/v1/.generated
 CONFIG ?= deploy/config.toml
-# the Mooncake Transfer Engine's libraries; OpenSSL's headers and a C compiler for engine/_block_hash.c and
-# services/worker/kv/_bind_guard.c
+# the Mooncake Transfer Engine's libraries; OpenSSL's headers and a C compiler for engine/_block_hash.c,
+# scheduler/_prefix_runs.c and services/worker/kv/_bind_guard.c
 DEB_PACKAGES := libibverbs1 librdmacm1 libnuma1 libssl-dev gcc
 FUZZ_EXAMPLES ?= 500
 export HF_HUB_OFFLINE := 1
@@ -23,7 +23,7 @@ help: ## List the targets
 
 install: $(STAMP) protos ## Create .venv, install Debian libs (as root) and all Python packages
 
-$(STAMP): pyproject.toml engine/_block_hash.c services/worker/kv/_bind_guard.c
+$(STAMP): pyproject.toml engine/_block_hash.c scheduler/_prefix_runs.c services/worker/kv/_bind_guard.c
 	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 || ! ldconfig -p | grep -q libnuma.so.1 \
 	    || ! test -f /usr/include/openssl/sha.h || ! command -v gcc >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
@@ -99,5 +99,5 @@ all: lint typecheck test ## Lint, type-check and test
 clean: ## Remove the venv, generated code, run directories and caches
 	rm -rf $(VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis runs build *.egg-info
 	rm -f protos/kvconductor/v1/*_pb2*.py protos/kvconductor/v1/*_pb2*.pyi $(PROTO_STAMP) engine/_block_hash*.so \
-	    services/worker/kv/_bind_guard*.so
+	    scheduler/_prefix_runs*.so services/worker/kv/_bind_guard*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -15,7 +15,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from engine._block_hash import chain
+from engine._block_hash import chain, packed_ids
 
 BLOCK_HASH_SEED = b"kvconductor/block-hash/v1"
 """Fixed seed: changing it invalidates every published hash."""
@@ -46,3 +46,19 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
         return chain(token_ids, block_size, _ROOT)
     except TypeError:
         raise ValueError("token_ids must all be integers") from None
+
+
+def packed_token_ids(wire: bytes, vocab_size: int) -> bytes:
+    """A serialized ``TokenIds`` message's ids as little-endian uint32, each checked below ``vocab_size``.
+
+    In C, without a Python int per token: a request's ``token_ids.ids`` read into a list cost the Conductor
+    2 ms at 100k tokens, more than hashing them. ValueError names the first id outside the vocabulary.
+    """
+    return packed_ids(wire, vocab_size)
+
+
+def packed_block_hashes(packed: bytes, block_size: int) -> list[bytes]:
+    """``prefix_block_hashes`` of token ids packed by ``packed_token_ids``."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return chain(packed, block_size, _ROOT)

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler._prefix_runs import prefix_runs
+
 Holders = tuple[str, ...]  # sorted instance ids, interned
 EMPTY: Holders = ()
 # (instance, blocks it gained, blocks it lost, whether it left and every block of it went)
@@ -146,20 +148,19 @@ class KVIndex:
         return sorted(instance for instance, n in self._counts.items() if n)
 
     def match_prefix(self, block_hashes: Sequence[bytes], instances: Iterable[str] = ()) -> PrefixMatch:
-        """Each instance's count of leading blocks held, and the best one."""
+        """Each instance's count of leading blocks held, and the best one.
+
+        The walk is ``prefix_runs`` (C): the positions where a block's holders differ from the block before's
+        (interned: an identity test), up to the first block nobody holds; only those are looked at here.
+        """
         wanted = set(instances)
-        current = self._holders.get(block_hashes[0], EMPTY) if block_hashes else EMPTY
-        alive = set(current) & wanted if wanted else set(current)
+        first = self._holders.get(block_hashes[0], EMPTY) if block_hashes else EMPTY
+        alive = set(first) & wanted if wanted else set(first)
         if not alive:
             return PrefixMatch({}, 0, "")
         matched: dict[str, int] = {}
-        holders_of = self._holders.get
-        for i, h in enumerate(block_hashes):
-            holders = holders_of(h, EMPTY)
-            if holders is current:  # interned: the same instances as the block before, nobody dropped
-                continue
-            current = holders
-            dropped = alive.difference(holders)
+        for i, holders in prefix_runs(self._holders, block_hashes):
+            dropped = alive.difference(holders or EMPTY)
             if dropped:
                 matched.update(dict.fromkeys(dropped, i))
                 alive -= dropped

@@ -19,14 +19,14 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
-from engine.block_hash import prefix_block_hashes
+from engine.block_hash import packed_block_hashes, packed_token_ids, prefix_block_hashes
 from engine.tokenizer import TooManyTokens, tokenize_off_loop, too_long
 from kvconductor.v1 import (
     colocated_pb2,
@@ -222,7 +222,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         if max_len == 0:
             raise RpcError(UNAVAILABLE, "no healthy workers")
         check_limits(request, self.config.scheduler)
-        prompt = await self._prompt_ids(request, max_len)
+        prompt, packed = await self._prompt_ids(request, max_len)
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         _check_sampling(sampling)
@@ -237,7 +237,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             # One seed for the whole request, so the prefill and decode workers sample as one engine would.
             sampling.seed = random.getrandbits(63)
         with metrics.STAGE.labels("hash").time():
-            hashes = prefix_block_hashes(prompt, self.view.block_size())
+            bs = self.view.block_size()
+            hashes = prefix_block_hashes(prompt, bs) if packed is None else packed_block_hashes(packed, bs)
         # The Conductor's own id, unique across replicas: the client's id is only a label (two clients may send
         # the same one), and a failed-over request gets fresh ids while the failed Conductor's are released.
         job = Job(uuid.uuid4().hex, prompt, sampling, list(request.stop), hashes, label=request.request_id)
@@ -249,12 +250,15 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             job.generated = resumed
         return job
 
-    async def _prompt_ids(self, request: conductor_pb2.GenerateRequest, max_len: int) -> list[int]:
+    async def _prompt_ids(
+        self, request: conductor_pb2.GenerateRequest, max_len: int
+    ) -> tuple[Sequence[int], bytes | None]:
         """The prompt's token ids, refused when empty, not shorter than ``max_len`` or outside the vocabulary.
 
         The length is checked first, before any per-token work on the loop (a list of the ids, the vocabulary
         scan): a 1 MiB text prompt is a million tokens, tens of ms that every stream through this Conductor
-        would wait for (bench/serve/neighbours.py).
+        would wait for (bench/serve/neighbours.py). Ids sent as ids stay in the request's repeated field (the
+        workers' requests copy it without a Python int per token), and come back packed for hashing too.
         """
         which = request.WhichOneof("prompt")
         if which == "text":
@@ -263,19 +267,24 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
             except TooManyTokens as e:
                 raise ValueError(too_long(e.count, max_len, e.at_least)) from None
-        elif which == "token_ids":
-            if len(request.token_ids.ids) >= max_len:
-                raise ValueError(too_long(len(request.token_ids.ids), max_len))
-            prompt = list(request.token_ids.ids)
-        else:
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            self._check_vocab(prompt)
+            return prompt, None
+        if which != "token_ids":
             raise ValueError("the request needs a prompt: text or token_ids")
-        if not prompt:
+        ids = request.token_ids.ids
+        if len(ids) >= max_len:
+            raise ValueError(too_long(len(ids), max_len))
+        if not ids:
             raise ValueError("the prompt is empty")
-        self._check_vocab(prompt)
-        return prompt
+        return ids, packed_token_ids(request.token_ids.SerializeToString(), self._vocab_size())
+
+    def _vocab_size(self) -> int:
+        return min(v.record.vocab_size for v in self.view.instances.values())
 
     def _check_vocab(self, token_ids: list[int]) -> None:
-        vocab = min(v.record.vocab_size for v in self.view.instances.values())
+        vocab = self._vocab_size()
         if max(token_ids) >= vocab:
             raise ValueError(f"token id {max(token_ids)} is outside the vocabulary (size {vocab})")
 

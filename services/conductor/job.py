@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,7 +31,7 @@ class Job:
     """
 
     request_id: str
-    prompt: list[int]
+    prompt: Sequence[int]  # a list, or the request's repeated field (read into no list: bench/conductor/serve.py)
     sampling: common_pb2.SamplingParams
     stop: list[str]
     block_hashes: list[bytes] = field(default_factory=list)
@@ -48,9 +48,9 @@ class Job:
     _resumed_hashes: tuple[int, list[bytes]] = (0, [])  # (tokens generated, hashes of prompt + them) last computed
 
     @property
-    def tokens(self) -> list[int]:
+    def tokens(self) -> Sequence[int]:
         """What the current attempt prefills: the prompt, plus the tokens already streamed."""
-        return self.prompt + self.generated
+        return [*self.prompt, *self.generated] if self.generated else self.prompt
 
     @property
     def name(self) -> str:

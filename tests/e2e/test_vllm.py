@@ -134,9 +134,10 @@ def test_a_busy_vllm_holder_s_prefix_is_copied_to_the_other_prefill_worker_throu
     _, first, _ = grpc_generate(vllm_cluster, prefix + [1], PD)
     holder = first.prefill_instance
     wait_indexed(vllm_cluster, prefix, holder, BLOCK)
-    # At once, each with two chunks of its own to compute: the holder's queue grows with each by more than a
-    # copy costs (the export's step, the bytes, the import's step).
-    tails = _prompts(5, 8, 3 * BLOCK, 3 * BLOCK + 1)
+    # At once, each with three chunks of its own to compute: the holder's queue grows with each by more than a
+    # copy costs (the export's step, the bytes, the import's step), also with a busy loop on every core (with two
+    # chunks, the queue grew by about 46 ms a prompt there, and no copy came out ahead of it).
+    tails = _prompts(5, 8, 6 * BLOCK, 6 * BLOCK + 1)
     prompts = {f"hot-{k}": prefix + tail for k, tail in enumerate(tails)}
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = dict(zip(prompts, pool.map(lambda i: grpc_generate(vllm_cluster, prompts[i], PD, request_id=i),

@@ -6,7 +6,14 @@ import sys
 
 import pytest
 
-from engine.block_hash import BLOCK_HASH_SEED, hash_block, prefix_block_hashes
+from engine.block_hash import (
+    BLOCK_HASH_SEED,
+    hash_block,
+    packed_block_hashes,
+    packed_token_ids,
+    prefix_block_hashes,
+)
+from kvconductor.v1 import conductor_pb2
 
 GOLDEN_FIRST_BLOCK = "e8332a3d847160bd9f01c6bf445eec08b277e69ffaa9d0b28d96a6e5279e3f7b"
 GOLDEN_SECOND_BLOCK = "00e89ec6b1276fa500ed34fc76b59897782be204a343bcdaa30fda4ff25b4c6a"
@@ -74,3 +81,37 @@ def test_the_native_chain_equals_hash_block_block_after_block(block_size: int) -
 def test_the_native_chain_refuses_what_hash_block_refuses(tokens: list, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         prefix_block_hashes(tokens, 4)
+
+
+def _varint(value: int) -> bytes:
+    out = b""
+    while value > 0x7F:
+        out, value = out + bytes([value & 0x7F | 0x80]), value >> 7
+    return out + bytes([value])
+
+
+def test_ids_packed_from_the_wire_hash_as_the_list_does() -> None:
+    ids = [random.Random(3).randrange(2**32) for _ in range(1000)] + [0, 1, 127, 128, 2**32 - 1]
+    wire = conductor_pb2.TokenIds(ids=ids).SerializeToString()  # packed, as protobuf writes repeated uint32
+    packed = packed_token_ids(wire, 2**32)
+    assert packed == struct.pack(f"<{len(ids)}I", *ids)
+    assert packed_block_hashes(packed, 16) == prefix_block_hashes(ids, 16)
+    # unpacked ids and fields of every other wire type (skipped) read the same
+    unpacked = b"".join(b"\x08" + _varint(i) for i in ids[:50])
+    others = b"\x10\x05" + b"\x1a\x03abc" + b"\x25abcd" + b"\x29" + bytes(8)
+    assert packed_token_ids(others + unpacked + others, 2**32) == struct.pack("<50I", *ids[:50])
+    assert packed_token_ids(b"", 10) == b""
+
+
+@pytest.mark.parametrize("wire", [b"\x0a\x05\x01", b"\x08", b"\x08\xff", b"\x0b", b"\x29abc", b"\x08" + b"\xff" * 11])
+def test_a_malformed_wire_is_a_value_error(wire: bytes) -> None:
+    with pytest.raises(ValueError, match="malformed"):
+        packed_token_ids(wire, 2**32)
+
+
+def test_the_first_id_outside_the_vocabulary_is_named() -> None:
+    wire = conductor_pb2.TokenIds(ids=[3, 9, 10, 12]).SerializeToString()
+    with pytest.raises(ValueError, match=r"token id 10 is outside the vocabulary \(size 10\)"):
+        packed_token_ids(wire, 10)
+    with pytest.raises(ValueError, match="whole uint32s"):
+        packed_block_hashes(b"abc", 1)

@@ -6,6 +6,7 @@
 import asyncio
 import os
 import re
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -66,14 +67,25 @@ async def test_tokenizing_runs_at_the_lowest_cpu_priority():
     ids=["text", "token_ids"],
 )
 async def test_the_conductor_refuses_an_over_long_prompt_before_scanning_it(request_):
-    def scanned(ids):
+    def scanned(*ids):
         raise AssertionError("the vocabulary scan ran on an over-long prompt")
 
-    conductor = SimpleNamespace(tokenizer=build_byte_level_tokenizer(), _check_vocab=scanned)
+    conductor = SimpleNamespace(tokenizer=build_byte_level_tokenizer(), _check_vocab=scanned, _vocab_size=scanned)
     with pytest.raises(ValueError, match="the prompt has 50 tokens; this model's context length is 50"):
         await ConductorServicer._prompt_ids(conductor, request_, 50)  # type: ignore[arg-type]
-    conductor._check_vocab = lambda ids: None
-    assert len(await ConductorServicer._prompt_ids(conductor, request_, 51)) == 50  # type: ignore[arg-type]
+    conductor._check_vocab, conductor._vocab_size = (lambda ids: None), (lambda: 256)
+    prompt, _ = await ConductorServicer._prompt_ids(conductor, request_, 51)  # type: ignore[arg-type]
+    assert len(prompt) == 50
+
+
+async def test_token_ids_are_checked_against_the_vocabulary_as_they_are_packed_for_hashing():
+    conductor = SimpleNamespace(_vocab_size=lambda: 100)
+    ids = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=[5, 99, 7]))
+    prompt, packed = await ConductorServicer._prompt_ids(conductor, ids, 10)  # type: ignore[arg-type]
+    assert list(prompt) == [5, 99, 7] and packed == struct.pack("<3I", 5, 99, 7)
+    ids.token_ids.ids.append(100)
+    with pytest.raises(ValueError, match=re.escape("token id 100 is outside the vocabulary (size 100)")):
+        await ConductorServicer._prompt_ids(conductor, ids, 10)  # type: ignore[arg-type]
 
 
 def test_the_gateway_refuses_more_stop_strings_or_ids_than_any_config_allows_itself():

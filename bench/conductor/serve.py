@@ -176,10 +176,13 @@ async def rate_case(stub: Any, conductor: dict[str, Any], base: list[int], args:
             "concurrency": args.concurrency, "seconds": round(wall, 1)}  # fmt: skip
 
 
-async def wait_for_instances(stub: Any, n: int, timeout_s: float = 120.0) -> None:
-    """Until the Conductor sees ``n`` colocated instances."""
+async def wait_for_instances(stub: Any, n: int, fleet: subprocess.Popen[bytes], log: Path,
+                             timeout_s: float = 120.0) -> None:  # fmt: skip
+    """Until the Conductor sees ``n`` colocated instances; an error at once if the fleet exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if fleet.poll() is not None:
+            raise RuntimeError(f"the stub fleet exited ({fleet.returncode}) before registering: see {log}")
         try:
             status = await stub.GetStatus(conductor_pb2.GetStatusRequest(), timeout=5)
             if sum(i.role == "colocated" for i in status.instances) >= n:
@@ -200,10 +203,11 @@ async def measure(args: argparse.Namespace, config_args: list[str], conductor: d
         stub = conductor_pb2_grpc.ConductorStub(channel)
         for n in args.instances:
             print(f"[conductor-cost] {n} stub instances: registering ...", flush=True)
+            log = out / f"fleet-{n}.log"
             fleet = spawn(["-m", "bench.conductor.fleet", *config_args, "--instances", str(n), "--prompts",
-                           str(prompts)], OTHERS_CORE, out / f"fleet-{n}.log")  # fmt: skip
+                           str(prompts)], OTHERS_CORE, log)  # fmt: skip
             with processes(fleet):
-                await wait_for_instances(stub, n)
+                await wait_for_instances(stub, n, fleet, log)
                 await asyncio.sleep(2.0)  # the blocks' events reach kvmeta
                 for tokens, base in bases.items():
                     row = {"instances": n, "prompt_tokens": tokens, **await latency_case(stub, conductor, base, args)}

@@ -284,25 +284,34 @@ def test_the_end_to_end_conductor_cost_readme_says_what_its_json_says():
     sustained = [{r["instances"]: r["sustained"] for r in run["rows"] if "sustained" in r} for run in runs]
     first, second = (lat[(64, 100_000)] for lat in latency)
     s1 = first["stages_mean_ms"]
+    after = [first["after_tokenization_mean_ms"], second["after_tokenization_mean_ms"]]
+    verdict = "met" if max(after) <= 3 else "not met" if min(after) > 3 else "at the line"
+    rates = {n: [sus[n]["requests_per_s"] for sus in sustained] for n in (16, 64, 256)}
+    met = [n for n in (16, 64, 256) if min(rates[n]) >= 200]
+    missed = [n for n in (16, 64, 256) if max(rates[n]) < 200]
+
+    def both(n: int) -> str:
+        return f"{rates[n][0]:.1f} and {rates[n][1]:.1f}"
+
     claims = [
         f"took {runs[0]['tokenize_ms']['100000']:.2f} ms in the first and {runs[1]['tokenize_ms']['100000']:.2f} ms",
-        f"not met, {first['after_tokenization_mean_ms']:.2f} ms in the first run (hash {s1['hash']:.2f}, match "
+        f"{verdict}, {after[0]:.2f} ms in the first run (hash {s1['hash']:.2f}, match "
         f"{s1['match']:.2f}, decide {s1['decide']:.2f}, book {s1['book']:.2f} ms) and "
-        f"{second['after_tokenization_mean_ms']:.2f} ms in the second (match {second['stages_mean_ms']['match']:.2f})",
+        f"{after[1]:.2f} ms in the second (match {second['stages_mean_ms']['match']:.2f})",
         f"first token p50 is {first['ttft_ms']['p50']:.2f} and {second['ttft_ms']['p50']:.2f} ms",
         f"At 256 instances: {latency[0][(256, 100_000)]['after_tokenization_mean_ms']:.2f} and "
         f"{latency[1][(256, 100_000)]['after_tokenization_mean_ms']:.2f} ms",
-        f"at 64 instances {sustained[0][64]['requests_per_s']:.1f} and {sustained[1][64]['requests_per_s']:.1f} "
-        f"requests/s ({sustained[0][64]['conductor_cpu_ms_per_request']:.2f} and "
+        f"met at {' and '.join(map(str, met))} instances",
+        f"at 64 instances {both(64)} requests/s ({sustained[0][64]['conductor_cpu_ms_per_request']:.2f} and "
         f"{sustained[1][64]['conductor_cpu_ms_per_request']:.2f} ms",
-        f"met at 16 instances ({sustained[0][16]['requests_per_s']:.1f} and {sustained[1][16]['requests_per_s']:.1f}",
-        f"at 256 instances {sustained[0][256]['requests_per_s']:.1f} and {sustained[1][256]['requests_per_s']:.1f}",
+        f"at 16 instances ({both(16)}",
+        f"at 256 instances {both(256)}",
     ]
+    if missed:
+        claims.append(f"not at {' and '.join(map(str, missed))}")
     for claim in claims:
         assert claim in readme, f"README.md no longer says: {claim}"
-    for lat, sus in zip(latency, sustained, strict=True):  # what the README says is met and not, in both runs
-        assert lat[(64, 100_000)]["after_tokenization_mean_ms"] > 3 and sus[64]["requests_per_s"] < 200
-        assert sus[16]["requests_per_s"] >= 200
+    for sus in sustained:
         assert all(s["errors"] == 0 and s["tokens"] == 16 * s["requests"] for s in sus.values())
 
 

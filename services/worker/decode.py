@@ -106,6 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         span = trace.get_current_span()
         gaps: list[float] = []
         last: float | None = None
+        tokens = 0
         try:
             decoding = w.engine.decode(rid, prompt, request.first_token_id, params)
             async with contextlib.aclosing(decoding) as outputs:
@@ -114,12 +115,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if last is not None:
                         gaps.append(now - last)
                     last = now
+                    tokens += len(out.new_token_ids)
                     w.ledger.produced(rid, len(out.new_token_ids))
                     if out.new_token_ids or out.finished:
                         yield token_chunk(list(out.new_token_ids), out.finish_reason)
         finally:
             w.ledger.remove(rid)
-            span.set_attributes(_tbt_attributes(gaps))
+            span.set_attributes({"kvconductor.decode.tokens": tokens, **_tbt_attributes(gaps)})
 
     async def Release(self, request: decode_pb2.ReleaseRequest, context: Any) -> decode_pb2.ReleaseResponse:  # noqa: N802
         """Free a reservation that will not be decoded."""
@@ -149,6 +151,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 def _tbt_attributes(gaps: list[float]) -> dict[str, float | int]:
+    """Gaps between the decode's outputs (a busy engine may hand over several tokens in one output)."""
     if not gaps:
         return {"kvconductor.decode.steps": 0}
     ordered = sorted(gaps)

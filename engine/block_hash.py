@@ -40,8 +40,7 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     The same hashes as ``hash_block`` block after block, computed in C (``engine/_block_hash.c``): the
     Conductor hashes every prompt, so this is on the request path.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    _check_block_size(block_size)
     try:
         return chain(token_ids, block_size, _ROOT)
     except TypeError:
@@ -59,6 +58,10 @@ def packed_token_ids(wire: bytes, vocab_size: int) -> bytes:
 
 def packed_block_hashes(packed: bytes, block_size: int) -> list[bytes]:
     """``prefix_block_hashes`` of token ids packed by ``packed_token_ids``."""
+    _check_block_size(block_size)
+    return chain(packed, block_size, _ROOT)
+
+
+def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return chain(packed, block_size, _ROOT)

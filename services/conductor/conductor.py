@@ -26,7 +26,7 @@ import grpc
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
-from engine.block_hash import packed_block_hashes, packed_token_ids, prefix_block_hashes
+from engine.block_hash import packed_block_hashes, packed_token_ids
 from engine.tokenizer import TooManyTokens, tokenize_off_loop, too_long
 from kvconductor.v1 import (
     colocated_pb2,
@@ -237,56 +237,51 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             # One seed for the whole request, so the prefill and decode workers sample as one engine would.
             sampling.seed = random.getrandbits(63)
         with metrics.STAGE.labels("hash").time():
-            bs = self.view.block_size()
-            hashes = prefix_block_hashes(prompt, bs) if packed is None else packed_block_hashes(packed, bs)
+            hashes = packed_block_hashes(packed, self.view.block_size())
         # The Conductor's own id, unique across replicas: the client's id is only a label (two clients may send
         # the same one), and a failed-over request gets fresh ids while the failed Conductor's are released.
         job = Job(uuid.uuid4().hex, prompt, sampling, list(request.stop), hashes, label=request.request_id)
         if request.resume_token_ids:  # a failed-over request: continue after what the client already has
             resumed = list(request.resume_token_ids)
-            self._check_vocab(resumed)
+            self._packed(conductor_pb2.TokenIds(ids=resumed))  # checked against the vocabulary
             if len(resumed) >= sampling.max_tokens:
                 raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({sampling.max_tokens})")
             job.generated = resumed
         return job
 
-    async def _prompt_ids(
-        self, request: conductor_pb2.GenerateRequest, max_len: int
-    ) -> tuple[Sequence[int], bytes | None]:
-        """The prompt's token ids, refused when empty, not shorter than ``max_len`` or outside the vocabulary.
+    async def _prompt_ids(self, request: conductor_pb2.GenerateRequest, max_len: int) -> tuple[Sequence[int], bytes]:
+        """The prompt's token ids, and the same packed for hashing.
 
-        The length is checked first, before any per-token work on the loop (a list of the ids, the vocabulary
-        scan): a 1 MiB text prompt is a million tokens, tens of ms that every stream through this Conductor
-        would wait for (bench/serve/neighbours.py). Ids sent as ids stay in the request's repeated field (the
-        workers' requests copy it without a Python int per token), and come back packed for hashing too.
+        Refused: an empty prompt, one of ``max_len`` tokens or more, an id outside the vocabulary. The length is
+        checked first, before any per-token work on the loop (the vocabulary scan): a 1 MiB text prompt is a million
+        tokens, tens of ms that every stream through this Conductor would wait for (bench/serve/neighbours.py). Ids
+        sent as ids stay in the request's repeated field (the workers' requests copy it without a Python int per
+        token).
         """
         which = request.WhichOneof("prompt")
         if which == "text":
             try:
                 with metrics.STAGE.labels("tokenize").time():
-                    prompt: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
+                    text_ids: list[int] = await tokenize_off_loop(self.tokenizer, request.text, max_len - 1)
             except TooManyTokens as e:
                 raise ValueError(too_long(e.count, max_len, e.at_least)) from None
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            self._check_vocab(prompt)
-            return prompt, None
-        if which != "token_ids":
+            ids: Sequence[int] = text_ids
+            message = conductor_pb2.TokenIds(ids=text_ids)
+        elif which == "token_ids":
+            message = request.token_ids
+            ids = message.ids
+            if len(ids) >= max_len:
+                raise ValueError(too_long(len(ids), max_len))
+        else:
             raise ValueError("the request needs a prompt: text or token_ids")
-        ids = request.token_ids.ids
-        if len(ids) >= max_len:
-            raise ValueError(too_long(len(ids), max_len))
         if not ids:
             raise ValueError("the prompt is empty")
-        return ids, packed_token_ids(request.token_ids.SerializeToString(), self._vocab_size())
+        return ids, self._packed(message)
 
-    def _vocab_size(self) -> int:
-        return min(v.record.vocab_size for v in self.view.instances.values())
-
-    def _check_vocab(self, token_ids: list[int]) -> None:
-        vocab = self._vocab_size()
-        if max(token_ids) >= vocab:
-            raise ValueError(f"token id {max(token_ids)} is outside the vocabulary (size {vocab})")
+    def _packed(self, token_ids: conductor_pb2.TokenIds) -> bytes:
+        """``token_ids`` as little-endian uint32; ValueError names the first id outside every worker's vocabulary."""
+        vocab = min(v.record.vocab_size for v in self.view.instances.values())
+        return packed_token_ids(token_ids.SerializeToString(), vocab)
 
     def _can_serve(self, deployment: int) -> bool:
         """Whether workers that ``deployment`` may use are registered now."""
@@ -609,7 +604,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                         self.conductor_id, job.request_id, None, d.state, sampling.max_tokens, job.fixed_length
                     ),  # fmt: skip
                 )
-                if p.record.moves_kv_itself:  # vLLM: d queues the request now and p's connector pushes the KV
+                if p.record.moves_kv_itself:  # vLLM: d's connector pulls the KV from p's when the decode runs
                     reserve.prompt_token_ids.extend(tokens)
                     reserve.remote_prefill.engine_id = p.instance_id
                     reserve.remote_prefill.bootstrap_addr = p.record.kv_bootstrap

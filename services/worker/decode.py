@@ -82,7 +82,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if blocks is None:
             self._forget(rid)
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"not enough free KV blocks ({free} free)")
-        if w.engine.moves_kv_itself:  # queued in the engine; its connector pulls the KV
+        if w.engine.moves_kv_itself:  # the engine's connector pulls the KV when the decode runs
             return decode_pb2.ReserveResponse(target=common_pb2.KVBlockTarget(), num_free_blocks=free)
         layout = w.engine.layout
         prompt_blocks = blocks[: layout.num_blocks_for(request.num_prompt_tokens)]

@@ -218,6 +218,11 @@ def test_grpc_errors_have_status_codes(cluster):
             )
         assert vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "vocabulary" in vocab.value.details()
+        with pytest.raises(grpc.RpcError) as resumed:  # a failed-over request's tokens are checked the same way
+            resume = conductor_pb2.GenerateRequest(text="hi", resume_token_ids=[1, 10**6])
+            list(stub.Generate(resume, timeout=30))
+        assert resumed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "token id 1000000 is outside the vocabulary" in resumed.value.details()
 
 
 def test_two_clients_sending_the_same_request_id_each_get_their_own_output(cluster, prompts, reference, model_dir):

@@ -67,25 +67,43 @@ async def test_tokenizing_runs_at_the_lowest_cpu_priority():
     ids=["text", "token_ids"],
 )
 async def test_the_conductor_refuses_an_over_long_prompt_before_scanning_it(request_):
-    def scanned(*ids):
+    def scanned(ids):
         raise AssertionError("the vocabulary scan ran on an over-long prompt")
 
-    conductor = SimpleNamespace(tokenizer=build_byte_level_tokenizer(), _check_vocab=scanned, _vocab_size=scanned)
+    conductor = SimpleNamespace(tokenizer=build_byte_level_tokenizer(), _packed=scanned)
     with pytest.raises(ValueError, match="the prompt has 50 tokens; this model's context length is 50"):
         await ConductorServicer._prompt_ids(conductor, request_, 50)  # type: ignore[arg-type]
-    conductor._check_vocab, conductor._vocab_size = (lambda ids: None), (lambda: 256)
-    prompt, _ = await ConductorServicer._prompt_ids(conductor, request_, 51)  # type: ignore[arg-type]
-    assert len(prompt) == 50
+    conductor._packed = lambda ids: b"packed"
+    prompt, packed = await ConductorServicer._prompt_ids(conductor, request_, 51)  # type: ignore[arg-type]
+    assert len(prompt) == 50 and packed == b"packed"
+
+
+def _conductor_with_vocab(size: int) -> SimpleNamespace:
+    conductor = SimpleNamespace(
+        tokenizer=build_byte_level_tokenizer(),
+        view=SimpleNamespace(instances={"w": SimpleNamespace(record=SimpleNamespace(vocab_size=size))}),
+    )
+    conductor._packed = lambda ids: ConductorServicer._packed(conductor, ids)  # type: ignore[arg-type]
+    return conductor
 
 
 async def test_token_ids_are_checked_against_the_vocabulary_as_they_are_packed_for_hashing():
-    conductor = SimpleNamespace(_vocab_size=lambda: 100)
+    conductor = _conductor_with_vocab(100)
     ids = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=[5, 99, 7]))
     prompt, packed = await ConductorServicer._prompt_ids(conductor, ids, 10)  # type: ignore[arg-type]
     assert list(prompt) == [5, 99, 7] and packed == struct.pack("<3I", 5, 99, 7)
     ids.token_ids.ids.append(100)
     with pytest.raises(ValueError, match=re.escape("token id 100 is outside the vocabulary (size 100)")):
         await ConductorServicer._prompt_ids(conductor, ids, 10)  # type: ignore[arg-type]
+
+
+async def test_a_text_prompt_is_packed_and_checked_the_same_way():
+    text = conductor_pb2.GenerateRequest(text="hi")
+    prompt, packed = await ConductorServicer._prompt_ids(_conductor_with_vocab(512), text, 10)  # type: ignore[arg-type]
+    assert prompt and packed == struct.pack(f"<{len(prompt)}I", *prompt)
+    small = max(prompt)  # a worker whose vocabulary lacks the tokenizer's largest id
+    with pytest.raises(ValueError, match=re.escape(f"token id {small} is outside the vocabulary (size {small})")):
+        await ConductorServicer._prompt_ids(_conductor_with_vocab(small), text, 10)  # type: ignore[arg-type]
 
 
 def test_the_gateway_refuses_more_stop_strings_or_ids_than_any_config_allows_itself():

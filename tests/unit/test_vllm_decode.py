@@ -3,8 +3,6 @@ resumes it); a reservation commits real pool blocks and is refused when they are
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
@@ -31,12 +29,31 @@ def _engine() -> tuple[VllmEngine, _Llm]:
     return VllmEngine(llm, layout, "decode"), llm
 
 
-async def _waiting(engine: VllmEngine, request_id: str, outputs: list[StepOutput]) -> None:
-    """A decode request parked in the adapter whose vLLM stream yields ``outputs``."""
-    queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-    for out in outputs:
-        queue.put_nowait(out)
-    engine._remote[request_id] = (queue, asyncio.create_task(asyncio.sleep(3600)))
+def _reserved(engine: VllmEngine, monkeypatch, outputs: list[StepOutput]) -> list[str]:
+    """vLLM's stream of every decode request yields ``outputs``; the requests submitted to it, in order."""
+    submitted: list[str] = []
+
+    async def stream(request_id, prompt, sampling):
+        submitted.append(request_id)
+        finished = False
+        try:
+            for out in outputs:
+                finished = out.finished
+                yield out
+        finally:  # as vLLM's: a stream closed before its end aborts the request
+            if not finished:
+                await engine.abort(request_id)
+
+    monkeypatch.setattr(engine, "_stream", stream)
+    monkeypatch.setattr(engine, "_sampling", lambda params, transfer, prefill=False: None)
+    return submitted
+
+
+async def _reserve(engine: VllmEngine, request_id: str, prompt_tokens: int, max_tokens: int):
+    from services.worker.engines.port import RemotePrefill
+
+    return await engine.reserve(request_id, prompt_tokens, SamplingParams(max_tokens=max_tokens),
+                                list(range(prompt_tokens)), RemotePrefill("p0", "127.0.0.1:1"))  # fmt: skip
 
 
 async def _decode(engine: VllmEngine, request_id: str, first_token_id: int) -> list[int]:
@@ -46,55 +63,46 @@ async def _decode(engine: VllmEngine, request_id: str, first_token_id: int) -> l
     return tokens
 
 
-async def test_the_same_token_0_is_dropped_and_the_rest_streams():
+async def test_the_same_token_0_is_dropped_and_the_rest_streams(monkeypatch):
     engine, _ = _engine()
-    await _waiting(engine, "r", [StepOutput("r", [7, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)])
+    outputs = [StepOutput("r", [7, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)]
+    submitted = _reserved(engine, monkeypatch, outputs)
+    assert await _reserve(engine, "r", 3, 3) == ([], 7)
+    assert submitted == []  # vLLM gets the request when its prefill is done, not while it waits for it
     assert await _decode(engine, "r", 7) == [8, 9]
+    assert submitted == ["r"] and engine.num_free_blocks == 8  # its blocks given back as it ended
 
 
-async def test_another_token_0_fails_the_attempt_counts_it_and_aborts_the_request():
+async def test_another_token_0_fails_the_attempt_counts_it_and_aborts_the_request(monkeypatch):
     engine, llm = _engine()
     before = metrics.DIVERGENCES._value.get()
-    await _waiting(engine, "r", [StepOutput("r", [5, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)])
+    _reserved(engine, monkeypatch, [StepOutput("r", [5, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)])
+    await _reserve(engine, "r", 3, 3)
     with pytest.raises(RpcError) as failed:
         await _decode(engine, "r", 7)
     assert failed.value.code == grpc.StatusCode.INTERNAL and "token 0 = 5 here, 7 on the prefill worker" in str(
         failed.value
     )
     assert metrics.DIVERGENCES._value.get() == before + 1
-    assert llm.aborted == ["r"] and "r" not in engine._remote  # nothing of it stays in vLLM or the adapter
+    assert llm.aborted == ["r"] and "r" not in engine._reserved  # nothing of it stays in vLLM or the adapter
+    assert engine.num_free_blocks == 8
 
 
 async def test_a_reservation_beyond_the_free_blocks_is_refused_and_a_finished_one_gives_them_back(monkeypatch):
-    from services.worker.engines.port import RemotePrefill
-
     engine, llm = _engine()  # 8 blocks of 16 tokens
-    submitted = []
-
-    async def stream(request_id, prompt, sampling):  # vLLM parks the request until its KV arrives
-        submitted.append(request_id)
-        await asyncio.sleep(3600)
-        yield
-
-    monkeypatch.setattr(engine, "_stream", stream)
-    monkeypatch.setattr(engine, "_sampling", lambda params, transfer, prefill=False: None)
-    remote = RemotePrefill("p0", "127.0.0.1:1")
-
-    async def reserve(request_id, prompt_tokens, max_tokens):
-        return await engine.reserve(request_id, prompt_tokens, SamplingParams(max_tokens=max_tokens),
-                                    list(range(prompt_tokens)), remote)  # fmt: skip
-
-    assert await reserve("a", 40, 24) == ([], 4)  # 64 tokens: 4 of the 8 blocks committed
-    assert await reserve("b", 40, 40) == (None, 4)  # 5 blocks > 4 free: refused, never submitted
-    assert await reserve("c", 20, 20) == ([], 1)  # 3 blocks
+    submitted = _reserved(engine, monkeypatch, [StepOutput("a", [1], True, "length", 0)])
+    assert await _reserve(engine, "a", 40, 24) == ([], 4)  # 64 tokens: 4 of the 8 blocks committed
+    assert await _reserve(engine, "b", 40, 40) == (None, 4)  # 5 blocks > 4 free: refused
+    assert await _reserve(engine, "c", 20, 20) == ([], 1)  # 3 blocks
     assert engine.snapshot().num_free_blocks == 1  # what the Conductor's decode choice sees
-    await asyncio.sleep(0)
-    assert submitted == ["a", "c"]
     engine.stats.kv_cache_usage = 0.75  # vLLM's last step: 6 blocks in use (prompts and outputs so far)
-    assert await reserve("d", 17, 15) == (None, 1)  # 2 blocks: a and c still hold what they may grow into
-    await engine.abort("a")  # released, or its decode ended
+    assert await _reserve(engine, "d", 17, 15) == (None, 1)  # 2 blocks: a and c still hold what they may grow into
+    await engine.abort("a")  # released before its decode came
     assert "a" in llm.aborted and engine.num_free_blocks == 2  # the pool's own count is the fewer now
-    assert await reserve("d", 17, 15) == ([], 2)  # until vLLM's next step frees a's blocks, still the pool's 2
+    assert await _reserve(engine, "d", 17, 15) == ([], 2)  # until vLLM's next step frees a's blocks, still the pool's 2
+    with pytest.raises(ValueError, match="no decode request 'a' reserved"):
+        await _decode(engine, "a", 1)
+    assert submitted == []
 
 
 def _step(bytes_transferred=(), transfer_duration=()):

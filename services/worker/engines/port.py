@@ -149,7 +149,7 @@ class EnginePort(Protocol):
         """Make room for a request whose prompt KV arrives from elsewhere; (blocks or None if too few, free count).
 
         ``moves_kv_itself`` engines take the whole request here (``prompt`` and the ``remote`` prefill worker
-        its connector pulls from) and queue it at once; they return no blocks (``[]``).
+        their connector pulls from) and run it at ``decode``; they return no blocks (``[]``).
         """
 
     def decode(

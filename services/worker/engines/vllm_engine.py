@@ -5,11 +5,12 @@ processes) and stays our gRPC service: registered in etcd, profiled, reporting l
 What differs from the built-in engine:
 
 * **Prompt KV moves with vLLM's MooncakeConnector** (``services/worker/engines/vllm_connector.py``): a decode
-  worker's ``Reserve`` submits the decode request at once (``do_remote_prefill``, naming the prefill
-  worker's engine id and bootstrap server) and vLLM parks it until the KV arrives; the prefill worker runs
-  the prompt with ``max_tokens=1`` (``do_remote_decode``) and its connector pushes the blocks over the
-  Mooncake Transfer Engine. The decode request samples token 0 again (same logits, same seed: the same
-  token) and ``decode`` drops it; a different token fails the attempt (``diverged``), and the request resumes.
+  worker's ``Reserve`` commits its blocks; the prefill worker runs the prompt with ``max_tokens=1``
+  (``do_remote_decode``), and vLLM holds its KV for the decode request, which ``decode`` submits after it
+  (``do_remote_prefill``, naming the prefill worker's engine id and bootstrap server), as vLLM's own PD
+  proxies do; the prefill worker's connector pushes the blocks over the Mooncake Transfer Engine. The decode
+  request samples token 0 again (same logits, same seed: the same token) and ``decode`` drops it; a
+  different token fails the attempt (``diverged``), and the request resumes.
 * **KV copies between prefill workers** go through the same connector (prefill workers are ``kv_both``): the
   holder runs the prefix as a request of its own (``export_prefix``: cached, one block computed, at
   ``EXPORT_PRIORITY`` ahead of the prompts waiting there, so it waits only for the prefill running) whose
@@ -101,7 +102,7 @@ class VllmEngine:
         self.events = KVEventTranslator(layout.block_size)
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
-        self._remote: dict[str, tuple[asyncio.Queue[StepOutput | BaseException], asyncio.Task[None]]] = {}
+        self._reserved: dict[str, tuple[list[int], Any]] = {}  # decode request -> (prompt, vLLM's sampling)
         self._committed: dict[str, int] = {}  # reserved decode request -> blocks of its prompt and max_tokens
         self._committed_blocks = 0  # their sum (read from the stat logger's thread too)
         self._died: asyncio.Future[BaseException] | None = None
@@ -227,16 +228,18 @@ class VllmEngine:
         prompt: Sequence[int] = (),
         remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
-        """Queue the decode request if the pool has room: ``[]`` (vLLM allocates as it goes) or None; the free count.
+        """Commit the decode request's blocks if the pool has room: ``[]`` (vLLM allocates as it goes) or None.
 
-        Its prompt and ``max_tokens`` stay committed until it ends (``num_free_blocks``). It waits in vLLM for
-        the KV that the ``remote`` prefill worker's connector pushes.
+        And the free count. Its prompt and ``max_tokens`` stay committed until it ends (``num_free_blocks``).
+        vLLM gets the request at ``decode``, once the ``remote`` prefill worker has run the prompt: a request
+        waiting in vLLM for its KV keeps the engine stepping (EngineCore and model runner, each an empty step
+        after the other), which on a CPU host takes a core from the prefill it waits for.
         """
         self._check_alive()
         if remote is None or len(prompt) != num_prompt_tokens:
             raise ValueError("a vLLM decode worker needs prompt_token_ids and remote_prefill in Reserve")
-        if request_id in self._remote:
-            raise ValueError(f"request {request_id!r} is already waiting for its KV")
+        if request_id in self._reserved:
+            raise ValueError(f"request {request_id!r} is already reserved")
         need = self.layout.num_blocks_for(min(num_prompt_tokens + params.max_tokens, self.layout.max_model_len))
         free = self.num_free_blocks
         if need > free:
@@ -247,16 +250,7 @@ class VllmEngine:
             "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": remote.engine_id,
             "remote_bootstrap_addr": remote.bootstrap_addr, "transfer_id": request_id,
         }  # fmt: skip
-        outputs: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for out in self._stream(request_id, list(prompt), self._sampling(params, transfer)):
-                    outputs.put_nowait(out)
-            except Exception as e:  # noqa: BLE001 - handed to the Decode call
-                outputs.put_nowait(e)
-
-        self._remote[request_id] = (outputs, asyncio.create_task(pump()))
+        self._reserved[request_id] = (list(prompt), self._sampling(params, transfer))
         return [], self.num_free_blocks
 
     @property
@@ -270,28 +264,25 @@ class VllmEngine:
     async def decode(
         self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams
     ) -> AsyncGenerator[StepOutput, None]:
-        """The outputs of a submitted remote decode after token 0 (which the prefill worker sampled)."""
-        entry = self._remote.get(request_id)
-        if entry is None:
-            raise ValueError(f"no decode request {request_id!r} waiting for its KV")
-        outputs, _ = entry
-        first, finished = True, False
+        """Submit the reserved request (its connector pulls the KV from the prefill worker); outputs after token 0.
+
+        The prefill worker sampled token 0; vLLM samples it again and it must be the same.
+        """
+        reserved = self._reserved.get(request_id)
+        if reserved is None:
+            raise ValueError(f"no decode request {request_id!r} reserved")
+        first = True
         try:
-            while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                if first and out.new_token_ids:
-                    first = False
-                    if out.new_token_ids[0] != first_token_id:
-                        raise diverged(request_id, out.new_token_ids[0], first_token_id)
-                    out = dataclasses.replace(out, new_token_ids=out.new_token_ids[1:], logprobs=out.logprobs[1:])
-                yield out
-        finally:
-            if not finished:
-                await self.abort(request_id)
-            self._remote.pop(request_id, None)
+            async with contextlib.aclosing(self._stream(request_id, *reserved)) as outputs:
+                async for out in outputs:
+                    if first and out.new_token_ids:
+                        first = False
+                        if out.new_token_ids[0] != first_token_id:
+                            raise diverged(request_id, out.new_token_ids[0], first_token_id)
+                        out = dataclasses.replace(out, new_token_ids=out.new_token_ids[1:], logprobs=out.logprobs[1:])
+                    yield out
+        finally:  # an unfinished stream was aborted in vLLM as it closed
+            self._reserved.pop(request_id, None)
             self._uncommit(request_id)
 
     async def release(self, request_id: str) -> None:
@@ -299,10 +290,8 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (a waiting remote decode included); completes even if the caller is cancelled."""
-        entry = self._remote.pop(request_id, None)
+        self._reserved.pop(request_id, None)
         self._uncommit(request_id)
-        if entry is not None:
-            entry[1].cancel()
         with contextlib.suppress(Exception):
             await asyncio.shield(self.llm.abort(request_id))
 

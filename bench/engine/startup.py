@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from typing import Any
 
 from bench.compare.cluster import colocated, disaggregated
 from bench.compare.peers import HOST, serving
-from bench.provenance import command_line, fresh_out, git_state
+from bench.provenance import fresh_out, git_state
 from cli.local_cluster import local_cluster
 from services.common.net import free_port
 
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     out = Path(args.out or fresh_out("startup"))
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"command": command_line(["python -m bench.engine.startup", *(argv or sys.argv[1:])]),
-                               "code": git_state(), "starts": {}}  # fmt: skip
+    command = "python -m bench.engine.startup " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results: dict[str, Any] = {"command": command.strip(), "code": git_state(), "starts": {}}
     with tempfile.TemporaryDirectory(prefix="kvc-startup-") as scratch:
         for engine in args.engines:
             for deployment in DEPLOYMENTS:

@@ -46,8 +46,10 @@ class Result:
 
 def entry_module(command: str) -> str:
     """The module a recorded command runs: ``python -m M ...`` -> M, ``kvconductor bench NAME ...`` or
-    ``kvconductor plan ...`` -> its CLI."""
+    ``kvconductor plan ...`` -> its CLI; a wrapper's (``python -m bench.compare.cpu ... -- COMMAND``): COMMAND's."""
     words = shlex.split(command)
+    if words[:2] == ["python", "-m"] and "--" in words:
+        return entry_module(shlex.join(words[words.index("--") + 1 :]))
     if words[:2] == ["python", "-m"]:
         return words[2]
     if words[:1] == ["kvconductor"] and words[1:2] and words[1] in COMMANDS:
@@ -86,8 +88,8 @@ def rerun_command(result: Result) -> list[str]:
     if "***" in words:
         raise ValueError(f"{result.path}: its command hides a secret; run it by hand")
     for flag, target in (("--out", result.path.parent), ("--json", result.path)):
-        if flag in words:
-            words[words.index(flag) + 1] = str(target.relative_to(REPO))
+        for i in [i for i, word in enumerate(words[:-1]) if word == flag]:  # a wrapper's and its command's
+            words[i + 1] = str(target.relative_to(REPO))
     if words[0] == "python":
         return [sys.executable, *words[1:]]
     return [sys.executable, "-m", "cli.main", *words[1:]]  # kvconductor ...

@@ -202,8 +202,17 @@ def conductor_status(cluster):
         return conductor_pb2_grpc.ConductorStub(channel).GetStatus(conductor_pb2.GetStatusRequest(), timeout=10)
 
 
-def address_of(cluster, instance_id):
-    return next(i.address for i in conductor_status(cluster).instances if i.instance_id == instance_id)
+def address_of(cluster, instance_id, timeout=60):
+    """The instance's gRPC address as the Conductor sees it. On a starved machine etcd itself can stall long
+    enough for every lease to lapse: the instance registers again and comes back into view; wait for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [i.address for i in conductor_status(cluster).instances if i.instance_id == instance_id]
+        if found:
+            return found[0]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Conductor has not seen {instance_id} for {timeout} s")
+        time.sleep(0.2)
 
 
 def worker_record(cluster, role):

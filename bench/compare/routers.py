@@ -178,6 +178,7 @@ def run_contender(
     runs: dict[str, Any] = {}
 
     def one_level(level: Level, seed: int) -> dict[str, Any]:
+        print(f"[routers] {contender.label} {level.label}: running ...", file=sys.stderr, flush=True)
         before = scrape_all(workers)
         record = run_level(target, args, level, seed)
         record["workers"] = worker_deltas(before, scrape_all(workers))

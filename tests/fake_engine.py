@@ -107,7 +107,6 @@ class FakeEngine:
         request_id: str,
         num_prompt_tokens: int,
         params: SamplingParams,
-        prompt: Sequence[int] = (),
         remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
         await asyncio.sleep(0)  # a real engine answers from another thread

@@ -242,8 +242,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         # the same one), and a failed-over request gets fresh ids while the failed Conductor's are released.
         job = Job(uuid.uuid4().hex, prompt, sampling, list(request.stop), hashes, label=request.request_id)
         if request.resume_token_ids:  # a failed-over request: continue after what the client already has
+            self._packed(conductor_pb2.TokenIds(ids=request.resume_token_ids))  # checked against the vocabulary
             resumed = list(request.resume_token_ids)
-            self._packed(conductor_pb2.TokenIds(ids=resumed))  # checked against the vocabulary
             if len(resumed) >= sampling.max_tokens:
                 raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({sampling.max_tokens})")
             job.generated = resumed
@@ -605,7 +605,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     ),  # fmt: skip
                 )
                 if p.record.moves_kv_itself:  # vLLM: d's connector pulls the KV from p's when the decode runs
-                    reserve.prompt_token_ids.extend(tokens)
                     reserve.remote_prefill.engine_id = p.instance_id
                     reserve.remote_prefill.bootstrap_addr = p.record.kv_bootstrap
                 reserved = await d.decode_stub.Reserve(reserve, timeout=self.config.scheduler.stall_timeout_s)

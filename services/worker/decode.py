@@ -67,9 +67,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         remote_prefill = RemotePrefill(remote.engine_id, remote.bootstrap_addr) if remote.engine_id else None
 
         async def reserve() -> tuple[list[int] | None, int]:
-            blocks, free = await w.engine.reserve(
-                rid, request.num_prompt_tokens, params, request.prompt_token_ids, remote_prefill
-            )
+            blocks, free = await w.engine.reserve(rid, request.num_prompt_tokens, params, remote_prefill)
             if blocks is not None and rid not in self.reservations:  # released while we allocated
                 await w.engine.abort(rid)
             return blocks, free

@@ -53,7 +53,7 @@ async def _reserve(engine: VllmEngine, request_id: str, prompt_tokens: int, max_
     from services.worker.engines.port import RemotePrefill
 
     return await engine.reserve(request_id, prompt_tokens, SamplingParams(max_tokens=max_tokens),
-                                list(range(prompt_tokens)), RemotePrefill("p0", "127.0.0.1:1"))  # fmt: skip
+                                RemotePrefill("p0", "127.0.0.1:1"))  # fmt: skip
 
 
 async def _decode(engine: VllmEngine, request_id: str, first_token_id: int) -> list[int]:

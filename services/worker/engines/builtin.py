@@ -142,7 +142,6 @@ class BuiltinEngine:
         request_id: str,
         num_prompt_tokens: int,
         params: SamplingParams,
-        prompt: Sequence[int] = (),
         remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
         """Blocks for prompt + max_tokens, now, and the free count after (the transfer engine fills them)."""

@@ -143,13 +143,12 @@ class EnginePort(Protocol):
         request_id: str,
         num_prompt_tokens: int,
         params: SamplingParams,
-        prompt: Sequence[int] = (),
         remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
         """Make room for a request whose prompt KV arrives from elsewhere; (blocks or None if too few, free count).
 
-        ``moves_kv_itself`` engines take the whole request here (``prompt`` and the ``remote`` prefill worker
-        their connector pulls from) and run it at ``decode``; they return no blocks (``[]``).
+        ``moves_kv_itself`` engines are told here the ``remote`` prefill worker their connector pulls from, and
+        take the request at ``decode``; they return no blocks (``[]``).
         """
 
     def decode(

@@ -102,7 +102,7 @@ class VllmEngine:
         self.events = KVEventTranslator(layout.block_size)
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
-        self._reserved: dict[str, tuple[list[int], Any]] = {}  # decode request -> (prompt, vLLM's sampling)
+        self._reserved: dict[str, Any] = {}  # decode request -> vLLM's sampling (with the connector's parameters)
         self._committed: dict[str, int] = {}  # reserved decode request -> blocks of its prompt and max_tokens
         self._committed_blocks = 0  # their sum (read from the stat logger's thread too)
         self._died: asyncio.Future[BaseException] | None = None
@@ -225,7 +225,6 @@ class VllmEngine:
         request_id: str,
         num_prompt_tokens: int,
         params: SamplingParams,
-        prompt: Sequence[int] = (),
         remote: RemotePrefill | None = None,
     ) -> tuple[list[int] | None, int]:
         """Commit the decode request's blocks if the pool has room: ``[]`` (vLLM allocates as it goes) or None.
@@ -236,8 +235,8 @@ class VllmEngine:
         after the other), which on a CPU host takes a core from the prefill it waits for.
         """
         self._check_alive()
-        if remote is None or len(prompt) != num_prompt_tokens:
-            raise ValueError("a vLLM decode worker needs prompt_token_ids and remote_prefill in Reserve")
+        if remote is None:
+            raise ValueError("a vLLM decode worker needs remote_prefill in Reserve")
         if request_id in self._reserved:
             raise ValueError(f"request {request_id!r} is already reserved")
         need = self.layout.num_blocks_for(min(num_prompt_tokens + params.max_tokens, self.layout.max_model_len))
@@ -250,7 +249,7 @@ class VllmEngine:
             "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": remote.engine_id,
             "remote_bootstrap_addr": remote.bootstrap_addr, "transfer_id": request_id,
         }  # fmt: skip
-        self._reserved[request_id] = (list(prompt), self._sampling(params, transfer))
+        self._reserved[request_id] = self._sampling(params, transfer)
         return [], self.num_free_blocks
 
     @property
@@ -268,12 +267,12 @@ class VllmEngine:
 
         The prefill worker sampled token 0; vLLM samples it again and it must be the same.
         """
-        reserved = self._reserved.get(request_id)
-        if reserved is None:
+        if request_id not in self._reserved:
             raise ValueError(f"no decode request {request_id!r} reserved")
+        sampling = self._reserved[request_id]
         first = True
         try:
-            async with contextlib.aclosing(self._stream(request_id, *reserved)) as outputs:
+            async with contextlib.aclosing(self._stream(request_id, prompt, sampling)) as outputs:
                 async for out in outputs:
                     if first and out.new_token_ids:
                         first = False

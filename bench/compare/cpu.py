@@ -86,38 +86,39 @@ def name_of(pid: int, parents: dict[int, int], comms: dict[int, str], argvs: dic
 
 
 class Sampler:
-    """CPU ticks of every descendant of one process, once a second, on a thread."""
+    """CPU seconds of every descendant of one process, once a second, on a thread; ``names`` holds each
+    process's latest name (vLLM's processes retitle themselves after they start: ``VLLM::EngineCore``)."""
 
     def __init__(self, root: int) -> None:
         self.root = root
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self._stop = threading.Event()
-        self._names: dict[int, str] = {}
+        self.samples: list[tuple[float, dict[int, float]]] = []
+        self.names: dict[int, str] = {}
+        self._named: dict[int, str] = {}  # pid -> the comm it was named with
         self._argvs: dict[int, list[str]] = {}
+        self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> dict[str, float]:
+    def _sample(self) -> dict[int, float]:
         stats = {pid: s for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if (s := _stat(pid))}
         parents = {pid: s[0] for pid, s in stats.items()}
         comms = {pid: s[2] for pid, s in stats.items()}
         mine = {self.root}
-        for pid in sorted(stats):  # a child may have a lower pid than its parent after wrap-around: iterate
+        for pid in stats:
             node = pid
             while node in parents and node not in mine and node > 1:
                 node = parents[node]
             if node in mine:
                 mine.add(pid)
-        cpu: dict[str, float] = defaultdict(float)
+        below = {p: q for p, q in parents.items() if p in mine and p != self.root}
         for pid in mine - {self.root}:
-            if pid not in self._names:
+            if self._named.get(pid) != comms[pid]:
                 chain = pid
-                while chain in parents and chain != self.root:
-                    self._argvs.setdefault(chain, _cmdline(chain))
-                    chain = parents[chain]
-                self._names[pid] = name_of(pid, {p: q for p, q in parents.items() if p in mine and p != self.root},
-                                           comms, self._argvs)  # fmt: skip
-            cpu[f"{pid}\0{self._names[pid]}"] = stats[pid][1] / TICKS
-        return dict(cpu)
+                while chain in below:
+                    if chain not in self._argvs or chain == pid:
+                        self._argvs[chain] = _cmdline(chain)
+                    chain = below[chain]
+                self.names[pid], self._named[pid] = name_of(pid, below, comms, self._argvs), comms[pid]
+        return {pid: stats[pid][1] / TICKS for pid in mine - {self.root}}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -129,7 +130,9 @@ class Sampler:
         self.thread.join()
 
 
-def windows(samples: list[tuple[float, dict[str, float]]], marks: list[tuple[float, str]]) -> dict[str, Any]:
+def windows(
+    samples: list[tuple[float, dict[int, float]]], names: dict[int, str], marks: list[tuple[float, str]]
+) -> dict[str, Any]:
     """Each level's CPU seconds per process name, from the first to the last sample inside it."""
     opened: dict[str, float] = {}
     out: dict[str, Any] = {}
@@ -142,8 +145,8 @@ def windows(samples: list[tuple[float, dict[str, float]]], marks: list[tuple[flo
                 continue
             (t0, first), (t1, last) = inside[0], inside[-1]
             cpu: dict[str, float] = defaultdict(float)
-            for pid_name, seconds in last.items():
-                cpu[pid_name.split("\0")[1]] += seconds - first.get(pid_name, 0.0)
+            for pid, seconds in last.items():
+                cpu[names[pid]] += seconds - first.get(pid, 0.0)
             ranked = sorted(((k, round(v, 2)) for k, v in cpu.items() if v >= 0.005), key=lambda kv: -kv[1])
             out[key] = {"wall_s": round(t1 - t0, 1), "cpu_s": dict(ranked)}
     return out
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": "utime+stime of every descendant process from /proc/PID/stat, sampled once a second; each window "
                   "runs from the first to the last sample inside one level (from its 'running' progress line to "
                   "its result line)",
-        "windows": windows(sampler.samples, marks),
+        "windows": windows(sampler.samples, sampler.names, marks),
     }  # fmt: skip
     (out / "cpu.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"[cpu] {len(record['windows'])} windows -> {out / 'cpu.json'}", file=sys.stderr)

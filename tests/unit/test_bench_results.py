@@ -134,6 +134,11 @@ def test_a_rerun_writes_over_the_committed_result():
     assert conductor[conductor.index("--json") + 1] == "bench/results/conductor/conductor.json"
     compare = rerun_command(examine(SIM.parent / "compare" / "routers-run2.json"))
     assert compare[:4] == [sys.executable, "-m", "cli.main", "bench"]
+    cpu = examine(SIM.parent / "compare" / "vllm" / "cpu.json")  # a wrapper: dated and rerun as what it wraps
+    assert entry_module(cpu.command) == "bench.compare.cli"
+    sampled = rerun_command(cpu)
+    assert sampled[:3] == [sys.executable, "-m", "bench.compare.cpu"] and sampled.count("--out") == 2
+    assert all(sampled[i + 1] == "bench/results/compare/vllm" for i, w in enumerate(sampled) if w == "--out")
 
 
 def test_compare_readme_prose_numbers_come_from_the_json():
@@ -233,16 +238,18 @@ def test_vllm_compare_readme_prose_numbers_come_from_the_json():
     ]
     cpu = json.loads((folder / "cpu.json").read_text())
     assert cpu["code"] == record["code"]
-    ours4, stock4 = (cpu["windows"][f"{spec} c=4"]["cpu_s"] for spec in (pd, stock))
+    window = {(spec, level): cpu["windows"][f"{c['label']} {level}"]["cpu_s"]
+              for spec, c in record["contenders"].items() for level in ("c=1", "c=4")}  # fmt: skip
+    ours4, stock4 = window[(pd, "c=4")], window[(stock, "c=4")]
     engines = [k for k in ours4 if "vLLM" in k]
     services = sum(v for k, v in ours4.items() if k not in engines)
-    servers = sum(v for k, v in stock4.items() if "API server" in k)
+    servers = sum(v for k, v in stock4.items() if "vLLM" not in k)  # the two API servers and the router
     n = runs[(pd, "c=4")]["requests"]
     claims += [
-        f"| decode: vLLM model runner | {cpu['windows'][f'{pd} c=1']['cpu_s']['decode: vLLM model runner']:.2f} | "
-        f"{cpu['windows'][f'{stock} c=1']['cpu_s']['decode: vLLM model runner']:.2f} | "
+        f"| decode: vLLM model runner | {window[(pd, 'c=1')]['decode: vLLM model runner']:.2f} | "
+        f"{window[(stock, 'c=1')]['decode: vLLM model runner']:.2f} | "
         f"{ours4['decode: vLLM model runner']:.2f} | {stock4['decode: vLLM model runner']:.2f} |",
-        f"used {services:.2f} s of CPU at c=4 against {servers:.2f} s for the two API servers "
+        f"used {services:.2f} s of CPU at c=4 against {servers:.2f} s for the two API servers and the router "
         f"({services / n * 1e3:.0f} against {servers / n * 1e3:.0f} ms per request)",
         f"({sum(ours4[k] for k in engines):.2f} against {sum(v for k, v in stock4.items() if 'vLLM' in k):.2f} s)",
     ]

@@ -497,9 +497,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             first = await self._prefill_on(job, plan, p, d)
             prefilled = True  # d holds a reservation with the prompt's KV until its Decode call takes it
             self.core.decode_started(d.state, job.request_id, time.monotonic())
-            yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
             job.phase = "decode"
             with blame(d.instance_id):
+                # Called before token 0 goes downstream: d's decode must not wait for the relay to the client.
                 call = d.decode_stub.Decode(
                     decode_pb2.DecodeRequest(
                         request_id=job.worker_request_id,
@@ -509,6 +509,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     )
                 )
                 try:
+                    yield Piece([first.first_token_id], cached_tokens=first.num_cached_tokens)
                     out = 1  # the prefill's first token
                     async for chunk in self._watch(call, d, "decode", plan.tbt, plan.tbt):
                         out += len(chunk.token_ids)

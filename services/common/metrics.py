@@ -72,6 +72,7 @@ PREDICTION_ERROR = Histogram(
 # Workers: a decode worker's token 0 that differs from its prefill worker's (vLLM, where decode samples it again):
 # the attempt fails and the request resumes elsewhere.
 DIVERGENCES = Counter("kvconductor_decode_divergences", "Decode attempts whose token 0 differed from prefill's")
+ENGINE_ERRORS = Counter("kvconductor_engine_errors", "Requests the engine ended with an error (vLLM: KV not loaded)")
 
 # Workers: KV movement through the transfer engine (the byte counts are read from it at scrape time).
 KV_SECONDS = Histogram("kvconductor_kv_transfer_seconds", "Duration of one KV transfer", ["kind"], buckets=GAP_BUCKETS)

@@ -15,6 +15,8 @@ from services.worker.engines.vllm_engine import VllmEngine
 
 
 class _Llm:
+    errored = False
+
     def __init__(self) -> None:
         self.aborted: list[str] = []
 
@@ -125,3 +127,24 @@ def test_the_connectors_timed_pushes_go_out_with_the_next_prefill_reply_once():
     assert engine.take_kv_pushes() == [(4096, 0.004), (2048, 0.002), (1024, 0.001)]
     assert engine.take_kv_pushes() == []  # each push is reported once
     assert sent == [(6, 6144), (1, 1024)]  # and counted as bytes sent, as before
+
+
+async def test_a_request_vllm_ends_with_an_error_fails_its_attempt_instead_of_ending_the_stream():
+    """vLLM ends a decode whose KV did not load (its connector's send failed) with the ``error`` finish: the client
+    must not get a cut answer as if it had finished; the attempt fails (retryable) and the Conductor resumes it."""
+    from types import SimpleNamespace
+
+    engine, llm = _engine()
+
+    async def generate(prompt, sampling, request_id, priority=0):
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], finish_reason="error", logprobs=None)],
+                              finished=True, num_cached_tokens=0)  # fmt: skip
+
+    llm.generate = generate
+    before = metrics.ENGINE_ERRORS._value.get()
+    await _reserve(engine, "r", 3, 3)
+    with pytest.raises(RpcError) as failed:
+        await _decode(engine, "r", 7)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "did not load" in str(failed.value)
+    assert metrics.ENGINE_ERRORS._value.get() == before + 1
+    assert "r" not in engine._reserved and engine.num_free_blocks == 8

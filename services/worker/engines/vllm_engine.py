@@ -80,6 +80,20 @@ def diverged(request_id: str, decoded: int, prefilled: int) -> RpcError:
     return RpcError(grpc.StatusCode.INTERNAL, message)
 
 
+def failed_in_vllm(request_id: str, role: str) -> RpcError:
+    """The error of a request vLLM ended with its ``error`` finish.
+
+    On a decode worker the prompt's KV did not load from the prefill worker (the connector's send failed or timed
+    out; ``kv_load_failure_policy="fail"``). UNAVAILABLE, so the Conductor resumes the request on another attempt
+    instead of ending its stream where vLLM stopped it (the client would get a cut answer as if it had finished);
+    counted in ``kvconductor_engine_errors``.
+    """
+    metrics.ENGINE_ERRORS.inc()
+    cause = "its KV did not load from the prefill worker" if role == "decode" else "an engine error"
+    log.error("request %s: vLLM ended it with an error (%s): failing this attempt", request_id, cause)
+    return RpcError(grpc.StatusCode.UNAVAILABLE, f"vLLM ended request {request_id} with an error: {cause}")
+
+
 class VllmEngine:
     """``AsyncLLM`` as an ``EnginePort``."""
 
@@ -180,6 +194,8 @@ class VllmEngine:
             request = TokensPrompt(prompt_token_ids=prompt)
             async for out in self.llm.generate(request, sampling, request_id, priority=priority):
                 completion = out.outputs[0]
+                if completion.finish_reason == "error":
+                    raise failed_in_vllm(request_id, self.role)
                 tokens = list(completion.token_ids)
                 self.contexts[request_id] = self.contexts.get(request_id, len(prompt)) + len(tokens)
                 finished = out.finished

@@ -711,3 +711,26 @@ def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_s
     ]
     missing = [c for c in claims if c not in readme]
     assert not missing, f"README.md disagrees with the JSON: {missing}"
+
+
+def test_the_startup_readme_says_what_its_json_says():
+    folder = SIM.parent / "engine" / "startup"
+    readme = (folder / "README.md").read_text()
+    flat = " ".join(readme.split())
+    record = json.loads((folder / "startup.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"] and record["code"] in readme
+    assert record["command"] in readme
+    starts = {name: row["median_s"] for name, row in record["starts"].items()}
+    for name, row in record["starts"].items():
+        assert f"| {name} | {row['median_s']} | {', '.join(map(str, row['seconds']))} |" in readme
+    ours, stock = starts["vllm colocated warm"], starts["stock vLLM server"]
+    claims = [
+        f"serves after {ours} s, the stock vLLM server after {stock} s ({ours - stock:.1f} s more, "
+        f"{ours / stock - 1:.0%},",
+        f"in {starts['vllm pd warm']} s",
+        f"saves {starts['vllm colocated cold'] - ours:.1f} s of {starts['vllm colocated cold']} s",
+        f"{starts['builtin pd cold'] - starts['builtin pd warm']:.1f} s of {starts['builtin pd cold']} s",
+        f"(warm {starts['builtin pd warm']} s)",
+    ]
+    missing = [c for c in claims if c not in flat]
+    assert not missing, f"bench/results/engine/startup/README.md disagrees with startup.json: {missing}"

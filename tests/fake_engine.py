@@ -130,6 +130,9 @@ class FakeEngine:
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         return [], []
 
+    def pop_store_puts(self) -> list[bytes]:
+        return []
+
     async def load(self) -> EngineLoad:
         return EngineLoad(0, len(self.owned), len(self.free), self.layout.num_blocks, 0, 0)
 

@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                     profiles = Path(scratch) / f"{engine}-{deployment}-{i}"  # empty: the cold start profiles
                     for kind in ("cold", "warm"):
                         run_dir = Path(scratch) / f"run-{engine}-{deployment}-{i}-{kind}"
-                        seconds = _ours(engine, deployment, profiles, run_dir)
-                        times[kind].append(seconds)
-                        _progress(f"{engine} {deployment} {kind} start {i + 1}/{args.repeats}: {seconds:.1f} s")
+                        took = _ours(engine, deployment, profiles, run_dir)
+                        times[kind].append(took)
+                        _progress(f"{engine} {deployment} {kind} start {i + 1}/{args.repeats}: {took:.1f} s")
                 for kind, seconds in times.items():
                     results["starts"][f"{engine} {deployment} {kind}"] = _summary(seconds)
         if "vllm" in args.engines:

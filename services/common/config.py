@@ -377,8 +377,8 @@ class StoreConfig:
     """``[store]``: the Mooncake Store, the cluster-wide KV pool behind every worker's engine pool.
 
     Prefill workers put their prompts' KV blocks into it (keyed by the chained block hash) and fill their
-    engine pools from it, so a prefix outlives its eviction from every worker (built-in and emulated engines;
-    colocated workers neither put nor read).
+    engine pools from it, so a prefix outlives its eviction from every worker (colocated workers neither put
+    nor read). On vLLM, its own MooncakeStoreConnector does both (``vllm_engine.engine_arguments``).
     """
 
     enabled: bool = False
@@ -484,12 +484,6 @@ class Config:
             "[prefill] node_count",
             "prefill workers beside colocated ones (conditional disaggregation) need colocated workers that take "
             'KV from them: [engine] backend "builtin" or "emulated", not "vllm" yet',
-        )
-        _check(
-            not (self.store.enabled and self.engine.backend == "vllm"),
-            "[store] enabled",
-            'needs [engine] backend "builtin" or "emulated": vLLM workers copy prefixes between prefill workers '
-            "through vLLM's KV connector, but put nothing into the Mooncake Store yet",
         )
 
 

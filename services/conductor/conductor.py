@@ -678,7 +678,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self.errors.record("kv_send", plan.prefill.t_send, r.transfer_exposed_seconds)
         for push in r.kv_pushes:  # timed by the connector, to whichever decode worker: p's send link, any destination
             self.core.links.observe(p.instance_id, "", push.bytes, push.seconds)
-        if r.copy_bytes:
+        if r.copy_bytes and r.copy_seconds:  # untimed: vLLM's Store connector's reads were not reported in time
             self.core.links.observe(plan.prefill.copy_from, p.instance_id, r.copy_bytes, r.copy_seconds)
             self.errors.record("kv_copy", plan.prefill.t_transfer, r.copy_seconds)
         copy = f", copied {r.copied_tokens} tokens in {r.copy_seconds * 1e3:.1f} ms" if r.copied_tokens else ""

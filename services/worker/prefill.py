@@ -31,7 +31,16 @@ from services.common.rpc import Service
 from services.common.tasks import complete, spawn
 from services.common.telemetry import tracer
 from services.worker.engines.port import ImportedBlocks
-from services.worker.kv.copy import ConnectorCopy, Exports, PrefixCopy, pull_by_connector, pull_from_store, pull_prefix
+from services.worker.kv.copy import (
+    ConnectorCopy,
+    Exports,
+    PrefixCopy,
+    pull_by_connector,
+    pull_from_store,
+    pull_prefix,
+    settle_store_load,
+    store_load_by_connector,
+)
 from services.worker.kv.stream import KVStreamer
 from services.worker.worker import Worker, sampling_from_proto
 
@@ -166,9 +175,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         w, rid = self.worker, request.request_id
         start = time.perf_counter()
         copy = None
-        if request.HasField("copy_source") and request.copy_num_blocks:
+        num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // w.engine.layout.block_size)
+        from_store = request.HasField("copy_source") and request.copy_source.tier == common_pb2.KV_TIER_STORE
+        if num_blocks and from_store:
+            copy = store_load_by_connector(w, prompt, num_blocks)
+            w.engine.take_store_loads()  # earlier prompts' reads
+        elif num_blocks and request.HasField("copy_source"):
             with tracer.start_as_current_span("prefill.kv_copy") as span:
-                num_blocks = min(request.copy_num_blocks, (len(prompt) - 1) // w.engine.layout.block_size)
                 copy = await pull_by_connector(w, prompt, num_blocks, request.copy_source)
                 span.set_attributes(_copy_attributes(request, copy))
             if copy.bytes:
@@ -179,6 +192,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     pass
             span.set_attributes({"kvconductor.prompt_tokens": len(prompt),
                                  "kvconductor.cached_tokens": out.num_cached_tokens})  # fmt: skip
+        if copy is not None and from_store:
+            with tracer.start_as_current_span("prefill.kv_copy") as span:
+                store_id = request.copy_source.instance_id
+                loads = w.engine.take_store_loads()
+                await settle_store_load(w, copy, prompt, num_blocks, out.num_cached_tokens, store_id, loads)
+                span.set_attributes(_copy_attributes(request, copy))
         await w.publish_kv_events()
         return prefill_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0],

@@ -21,7 +21,7 @@ from kvconductor.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from scheduler.cost_model import DecodeModel, PrefillModel
 from services.common import metrics
 from services.common.config import Config, WorkerConfig
-from services.common.instance_record import CostModels, KVShape, WorkerRecord
+from services.common.instance_record import CostModels, KVShape, StoreRecord, WorkerRecord
 from services.common.registry import Registry
 from services.common.rpc import Service
 from services.worker.engines import builtin
@@ -34,6 +34,7 @@ from services.worker.ledger import Ledger
 from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
+STORE_SERVICE_WAIT_S = 120.0
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Worker:
     kv_bootstrap: str = ""  # a vLLM prefill worker's KV connector bootstrap server
     zmq_events: ZmqKvEventPublisher | None = None  # [engine] zmq_kv_events
     store: KVStore | None = None  # [store] enabled, on a prefill worker whose pool the worker moves itself
+    store_id: str = ""  # [store] enabled, on a vLLM prefill worker: the Store its connector puts into
     ledger: Ledger = field(default_factory=Ledger)  # the requests held, with their Conductors' bookings
 
     def record(self, address: str, metrics_address: str) -> WorkerRecord:
@@ -87,6 +89,8 @@ class Worker:
         if self.zmq_events is not None:
             self.zmq_events.publish(stored, removed)
         await self.events.publish([b.block_hash for b in stored], removed, heartbeat)
+        if self.store_id:
+            await self.events.publish_store(self.store_id, self.engine.pop_store_puts(), [])
 
     async def heartbeat_kv_events(self, period_s: float = 2.0) -> None:
         """Publish periodically, so kvmeta (re)learns this instance's blocks even when no request comes."""
@@ -123,12 +127,16 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
         config.cluster.host, protocol=config.cluster.transfer_backend,
         link_floor=None if emulation is None else emulation.transfer_seconds,
     )  # fmt: skip
+    store_record = None
     if config.engine.backend == "vllm":
         from services.worker.engines import vllm_start  # imports vLLM: only on workers that run it
 
+        if config.store.enabled and role == "prefill":
+            store_record = await _store_service(registry)
         engine, refiner, kv_bootstrap = await vllm_start.build(
-            config, role, instance_id, pool_config, transfer.count_written
-        )
+            config, role, instance_id, pool_config, transfer.count_written,
+            store_master=store_record.master_address if store_record else "",
+        )  # fmt: skip
     else:
         engine, refiner = builtin.build(config, role, pool_config, emulation, instance_id)
     if not engine.moves_kv_itself:
@@ -145,7 +153,24 @@ async def build_worker(config: Config, role: str, instance_id: str, registry: Re
     return Worker(
         role, instance_id, config, pool_config, engine, transfer, registry, events, refiner, prefill_model,
         decode_model, kv_bootstrap=kv_bootstrap, zmq_events=zmq_events, store=store,
+        store_id=store_record.instance_id if store_record else "",
     )  # fmt: skip
+
+
+async def _store_service(registry: Registry) -> StoreRecord:
+    """The store service's record, once it is registered: a vLLM worker's Store client starts with vLLM."""
+    deadline = asyncio.get_running_loop().time() + STORE_SERVICE_WAIT_S
+    while True:
+        records = [r for r in (await asyncio.to_thread(registry.list, "store")).values() if isinstance(r, StoreRecord)]
+        if records:
+            return records[0]
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(
+                f"[store] enabled, but no store service registered in {STORE_SERVICE_WAIT_S:.0f} s "
+                "(`kvconductor serve store` runs one)"
+            )
+        log.info("waiting for the store service to register (its master address starts vLLM's Store client)")
+        await asyncio.sleep(1.0)
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

@@ -101,3 +101,25 @@ def test_blocks_a_connector_keeps_in_another_tier_are_not_credited_to_vllms_own_
     assert t.held_prefix(ours) == 2 and t.pop()[1] == []
     t.apply_payload(_batch(kv_events.BlockRemoved(block_hashes=[b"b"], medium="GPU")))
     assert t.held_prefix(ours) == 1 and t.pop()[1] == [ours[1]]
+
+
+def _put(hashes, parent, tokens):
+    """A Mooncake Store connector's put: one event per block, naming the request's previous block as parent."""
+    return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS,
+                                 lora_id=None, medium="cpu", lora_name=None, group_idx=0)  # fmt: skip
+
+
+def test_the_store_connectors_puts_become_the_stores_blocks_in_our_hashes():
+    tokens = list(range(500, 500 + 3 * BS))
+    ours = prefix_block_hashes(tokens, BS)
+    t = KVEventTranslator(BS)
+    t.apply_payload(_batch(_stored([b"a", b"b"], None, tokens[: 2 * BS])))  # the pool stored them first
+    t.apply_payload(_batch(_put([b"a"], None, tokens[:BS]), _put([b"b"], b"a", tokens[BS : 2 * BS])))
+    # A put whose block the pool already evicted (no token ids either): its parent is known, its tokens are not.
+    t.apply_payload(_batch(_put([b"c"], b"b", [])))
+    assert t.pop_store_puts() == ours[:2] and t.pop_store_puts() == []
+    t.apply_payload(_batch(_put([b"c"], b"b", tokens[2 * BS :])))  # with its tokens: chained from the parent
+    assert t.pop_store_puts() == [ours[2]]
+    t.apply_payload(_batch(_put([b"z"], b"never-seen", tokens[:BS])))  # neither block nor parent known
+    assert t.pop_store_puts() == []
+    assert t.held_prefix(ours) == 2 and t.pop()[0] == _chain(tokens[: 2 * BS])  # the pool's own view is unchanged

@@ -188,9 +188,17 @@ class BuiltinEngine:
         """None: the worker's transfer engine moves this engine's KV, and times each write itself."""
         return []
 
+    def take_store_loads(self) -> list[tuple[int, float]]:
+        """None: the worker reads the Store into this engine's pool itself."""
+        return []
+
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         """Blocks stored and block hashes removed since the last call."""
         return await self._loop.call_now(lambda e: e.pop_kv_events())
+
+    def pop_store_puts(self) -> list[bytes]:
+        """None: the worker writes this engine's blocks through to the Store (``prefill._write_through``)."""
+        return []
 
     async def load(self) -> EngineLoad:
         """The engine's load now."""

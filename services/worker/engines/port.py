@@ -192,8 +192,20 @@ class EnginePort(Protocol):
         ``[]`` unless ``moves_kv_itself``: the worker's transfer engine times the others' writes.
         """
 
+    def take_store_loads(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each Mooncake Store read the engine's own connector timed since the last call.
+
+        ``[]`` unless ``moves_kv_itself``: the worker reads the Store for the others itself (``pull_from_store``).
+        """
+
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         """(blocks stored, hashes of blocks removed) since the last call."""
+
+    def pop_store_puts(self) -> list[bytes]:
+        """Hashes of the blocks the engine's own KV connector put into the Mooncake Store since the last call.
+
+        ``[]`` unless ``moves_kv_itself``: the worker writes the others' blocks through to the Store itself.
+        """
 
     async def load(self) -> EngineLoad:
         """Queue, batch, free blocks and prefix-cache counters, now (without waiting for a step)."""

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -37,6 +38,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (  # noqa: E402
     MooncakeBootstrapServer,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (  # noqa: E402
+    MooncakeStoreConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
+    MultiConnector,
+    MultiKVConnectorPromMetrics,
 )
 
 from services.worker.kv import bind_guard  # noqa: E402
@@ -72,6 +80,8 @@ class _BootstrapOnHost(MooncakeBootstrapServer):
 
 
 if HOST and not bind_guard.resolve(HOST).is_unspecified:
+    import mooncake.store  # noqa: F401  # the Store client's objects, confined with the engine's
+
     mooncake_connector.MooncakeBootstrapServer = _BootstrapOnHost  # type: ignore[attr-defined]  # what it calls
     bind_guard.install(bind_guard.resolve(HOST))  # the module import above loaded Mooncake's engine
 
@@ -84,3 +94,63 @@ if multiprocessing.parent_process() is not None:  # one of vLLM's spawned proces
 
 class CpuMooncakeConnector(MooncakeConnector):
     """vLLM's MooncakeConnector, unchanged (the class exists so that vLLM loads it from this module)."""
+
+
+class _NoEvent:
+    """A stream event on a host without one: the KV a save reads is written when ``wait_for_save`` runs."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CpuMooncakeStoreConnector(MooncakeStoreConnector):
+    """vLLM's MooncakeStoreConnector, whose saves record a CUDA event; on a CPU-only torch they record none."""
+
+    def wait_for_save(self) -> None:
+        """Hand this step's saves to the connector's send thread."""
+        if not CPU_ONLY:
+            super().wait_for_save()  # type: ignore[no-untyped-call]
+            return
+        cuda_event = torch.cuda.Event
+        torch.cuda.Event = _NoEvent  # type: ignore[misc,assignment]  # the save's only CUDA call, on this thread
+        try:
+            super().wait_for_save()  # type: ignore[no-untyped-call]
+        finally:
+            torch.cuda.Event = cuda_event  # type: ignore[misc]
+
+
+class _ListedChildMetrics(MultiKVConnectorPromMetrics):
+    """vLLM's MultiConnector Prometheus metrics, skipping the stats of a child that has none (the MooncakeConnector).
+
+    vLLM's asserts instead, which kills the engine at the first step whose stats name such a child.
+    """
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        listed = {k: v for k, v in transfer_stats_data.items() if k in self._prom_metrics}
+        super().observe(listed, engine_idx)
+
+
+class StoreTierConnector(MultiConnector):
+    """vLLM's MultiConnector over the MooncakeConnector (PD and copies) and the Store connector.
+
+    vLLM's MultiConnector drops its children's KV events (``get_kv_connector_kv_cache_events`` is a TODO
+    there); this one passes on the Store connector's, so the blocks it puts reach the KV event publisher
+    (``medium="cpu"``) and from it kvmeta, as Store blocks. Its Prometheus metrics skip the child without any.
+    """
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:  # fmt: skip
+        """The children's metrics, observed only for the children that have them."""
+        built = super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        assert isinstance(built, MultiKVConnectorPromMetrics)
+        return _ListedChildMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, built._prom_metrics)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """The KV events of the first child that has any (the Store connector's puts)."""
+        return next(
+            (e for e in (c.get_kv_connector_kv_cache_events() for c in self._connectors) if e is not None), None
+        )

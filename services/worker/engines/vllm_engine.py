@@ -35,13 +35,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -59,9 +61,13 @@ from services.worker.profiling.refiner import CostRefiner
 
 log = logging.getLogger(__name__)
 MEDIUM_GPU = "GPU"  # vllm.distributed.kv_events.MEDIUM_GPU: vLLM's own pool (vLLM is imported lazily)
+MEDIUM_STORE = "cpu"  # the medium vLLM's MooncakeStoreConnector gives the blocks it put into the Store
 HEALTH_PERIOD_S = 1.0
 CONNECTOR = "CpuMooncakeConnector"
+STORE_CONNECTOR = "CpuMooncakeStoreConnector"
+STORE_TIER_CONNECTOR = "StoreTierConnector"  # vLLM's MultiConnector over both
 CONNECTOR_MODULE = "services.worker.engines.vllm_connector"
+STORE_LOCAL_BUFFER_BYTES = 16 << 20  # the Store client's staging buffer, as our own client's (kv/store.py)
 PUSH_WINDOW = 64  # timed connector pushes kept for the next prefill response (the latest, when none goes out)
 EXPORT_PRIORITY = -1  # an export runs before the prompts waiting on the holder (vLLM: lower runs first; prompts 0)
 COPY_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # an export's or import's one token
@@ -113,6 +119,7 @@ class VllmEngine:
         self.refiner = refiner
         self.count_sent = count_sent  # (blocks, bytes) the connector wrote to decode workers
         self._pushes: deque[tuple[int, float]] = deque(maxlen=PUSH_WINDOW)  # (bytes, seconds) not yet reported
+        self._store_loads: deque[tuple[int, float]] = deque(maxlen=PUSH_WINDOW)  # the Store connector's reads
         self.events = KVEventTranslator(layout.block_size)
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
@@ -184,7 +191,7 @@ class VllmEngine:
 
     async def _stream(
         self, request_id: str, prompt: list[int], sampling: Any, priority: int = 0
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         from vllm.inputs import TokensPrompt
 
         self._check_alive()
@@ -356,6 +363,11 @@ class VllmEngine:
         """Nothing was imported (see ``allocate_blocks``)."""
         raise NotImplementedError("vLLM's pool is copied through its KV connector")
 
+    def take_store_loads(self) -> list[tuple[int, float]]:
+        """The Store connector's timed reads since the last call (``[store] enabled``; they name no request)."""
+        loads, self._store_loads = list(self._store_loads), deque(maxlen=PUSH_WINDOW)
+        return loads
+
     def take_kv_pushes(self) -> list[tuple[int, float]]:
         """The connector's timed pushes since the last call (the prefill worker's next response carries them)."""
         pushes, self._pushes = list(self._pushes), deque(maxlen=PUSH_WINDOW)
@@ -364,6 +376,10 @@ class VllmEngine:
     async def pop_kv_events(self) -> tuple[list[StoredBlock], list[bytes]]:
         """Blocks stored and block hashes removed (ours) since the last call."""
         return self.events.pop()
+
+    def pop_store_puts(self) -> list[bytes]:
+        """Blocks (ours) the connector put into the Mooncake Store since the last call (``[store] enabled``)."""
+        return self.events.pop_store_puts()
 
     async def load(self) -> EngineLoad:
         """The engine's load after its last step."""
@@ -388,7 +404,11 @@ class VllmEngine:
     def observe_step(self, scheduler_stats: Any) -> None:
         """A vLLM step's stats (called by the stat logger on the event loop)."""
         self.stats.update(scheduler_stats)
-        connector = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+        stats = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+        connector = stats.get(CONNECTOR, stats)  # under a MultiConnector ([store] enabled): by child
+        loads = stats.get(STORE_CONNECTOR, {}).get("load_get", ())
+        self._store_loads.extend((int(r["num_bytes"]), float(r["duration_seconds"])) for r in loads
+                                 if r.get("status") == "ok" and r.get("num_bytes"))  # fmt: skip
         pushed = list(zip(connector.get("bytes_transferred", ()), connector.get("transfer_duration", ()), strict=False))
         self._pushes.extend((int(b), float(t)) for b, t in pushed if b > 0 and t > 0)  # the MooncakeConnector's, timed
         sent = int(sum(b for b, _ in pushed))
@@ -443,9 +463,12 @@ class KVEventTranslator:
     ``BlockStored`` names its parent (vLLM's hash) and carries its token ids, so each vLLM hash maps to
     ``hash_block(ours(parent), tokens)``. A block whose parent is unknown (events missed) is skipped.
 
-    Only events of vLLM's own pool count (``medium`` "GPU", the name vLLM gives its device pool on every
-    platform, or none): a KV connector's tiers (a CPU offload, the Mooncake Store) publish theirs on the same
-    socket, and a block there is not one a request here hits without a load.
+    Only events of vLLM's own pool count as this instance's blocks (``medium`` "GPU", the name vLLM gives its
+    device pool on every platform, or none): a KV connector's tiers publish theirs on the same socket, and a
+    block there is not one a request here hits without a load. The Mooncake Store connector's puts
+    (``medium`` "cpu") are kept apart (``pop_store_puts``): kvmeta indexes them as the Store's blocks. The
+    Store sends no removals (its master evicts silently); a prefill that finds a planned Store block gone
+    says so instead (``copy.settle_store_load``).
     """
 
     def __init__(self, block_size: int) -> None:
@@ -455,6 +478,7 @@ class KVEventTranslator:
         self._held: Counter[bytes] = Counter()  # the values of _ours (``held_prefix`` reads it per copy)
         self._stored: list[StoredBlock] = []
         self._removed: list[bytes] = []
+        self._store_puts: list[bytes] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -497,7 +521,10 @@ class KVEventTranslator:
         with self._lock:
             for event in events:
                 kind = type(event).__name__
-                if getattr(event, "medium", None) not in (None, MEDIUM_GPU):
+                medium = getattr(event, "medium", None)
+                if medium == MEDIUM_STORE and kind == "BlockStored":
+                    self._store_put(event)
+                if medium not in (None, MEDIUM_GPU):
                     continue
                 if kind == "BlockStored":
                     self._stored_block(event)
@@ -534,6 +561,26 @@ class KVEventTranslator:
             self._stored.append(StoredBlock(ours, parent, tokens))
             parent = ours
 
+    def _store_put(self, event: Any) -> None:
+        """Blocks the Store connector put: the pool's blocks of the same vLLM hash, or their parent's children."""
+        parent = None if event.parent_block_hash is None else self._ours.get(event.parent_block_hash)
+        size = event.block_size
+        for i, theirs in enumerate(event.block_hashes):
+            ours = self._ours.get(theirs)
+            tokens = tuple(event.token_ids[i * size : (i + 1) * size])
+            if ours is None and len(tokens) == size and (parent is not None or event.parent_block_hash is None):
+                ours = hash_block(parent, tokens)
+            if ours is None:
+                return  # neither the block nor its parent is known here (events missed): the Store keeps it unindexed
+            self._store_puts.append(ours)
+            parent = ours
+
+    def pop_store_puts(self) -> list[bytes]:
+        """Our hashes of the blocks put into the Mooncake Store since the last call."""
+        with self._lock:
+            puts, self._store_puts = self._store_puts, []
+        return puts
+
     def held_prefix(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``block_hashes`` (ours) that vLLM's cache holds, as its events so far say."""
         with self._lock:
@@ -557,13 +604,75 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _register_children() -> None:
+    """Name the MultiConnector's children in vLLM's connector registry, in the process that reads their stats.
+
+    vLLM's front end (this process) rebuilds each child's stats from the registry by the child's class name;
+    ours are vLLM's connectors under another name (their stats are their parents'), and importing them here
+    would run ``vllm_connector``'s set-up, meant for vLLM's own processes.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    vllm_mooncake = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake"
+    for name, module, parent in (
+        (CONNECTOR, f"{vllm_mooncake}.mooncake_connector", "MooncakeConnector"),
+        (STORE_CONNECTOR, f"{vllm_mooncake}.store.connector", "MooncakeStoreConnector"),
+    ):
+        with contextlib.suppress(ValueError):  # named already
+            KVConnectorFactory.register_connector(name, module, parent)
+
+
+def _store_tier(config: Config, instance_id: str, pd: dict[str, Any], store_master: str) -> dict[str, Any]:
+    """The connector arguments of a prefill worker whose prompts also go to the Mooncake Store (``[store] enabled``).
+
+    vLLM's MultiConnector (``StoreTierConnector``) over the MooncakeConnector (``pd``: PD and copies; first, so
+    that it claims the remote-prefill requests) and vLLM's MooncakeStoreConnector: every prompt's full blocks
+    are put into the Store, and every prompt loads from it what the instance's own cache lacks. The Store
+    client reads its settings from the JSON that ``MOONCAKE_CONFIG_PATH`` names (written here): the
+    master, this worker's segment of ``[store] segment_mb`` and handshakes peer to peer, as our own client.
+    A Store block evicted between the lookup and the load is recomputed (``kv_load_failure_policy``): the
+    Store is a lossy cache.
+    """
+    _register_children()
+    path = os.path.join(tempfile.gettempdir(), f"kvconductor-{instance_id}-{os.getpid()}-mooncake-store.json")
+    settings = {
+        "metadata_server": "P2PHANDSHAKE", "master_server_address": store_master,
+        "protocol": config.cluster.transfer_backend, "device_name": "", "mode": "embedded",
+        "global_segment_size": config.store.segment_mb << 20, "local_buffer_size": STORE_LOCAL_BUFFER_BYTES,
+    }  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(settings, f)
+    os.environ["MOONCAKE_CONFIG_PATH"] = path
+    store = {
+        "kv_connector": STORE_CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            # The lookup's IPC socket is named by this number: one per worker on a host.
+            "lookup_rpc_port": _free_port(config.cluster.host),
+            # vLLM's keys name the model, not the dtype nor the block size.
+            "cache_prefix": f"{config.cluster.name}-{config.model.dtype}-{config.block_size}",
+        },
+    }  # fmt: skip
+    return {
+        "kv_connector": STORE_TIER_CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+        "engine_id": instance_id, "kv_connector_extra_config": {"connectors": [pd, store]},
+        "kv_load_failure_policy": "recompute",
+    }  # fmt: skip
+
+
 def engine_arguments(
-    config: Config, role: str, instance_id: str, pool_config: WorkerConfig, events_endpoint: str | None
+    config: Config,
+    role: str,
+    instance_id: str,
+    pool_config: WorkerConfig,
+    events_endpoint: str | None,
+    store_master: str = "",
 ) -> tuple[dict[str, Any], str]:
     """The engine arguments of vLLM for one worker, and its KV bootstrap address ("" unless prefill).
 
-    Sets the process environment vLLM reads at start-up. Shared with ``bench/compare/vllm_server.py``, so a
-    stock vLLM server in a comparison runs exactly the engine our worker runs.
+    ``store_master``: the Mooncake Store's master (host:port), on a prefill worker of a cluster with
+    ``[store] enabled``. Sets the process environment vLLM reads at start-up. Shared with
+    ``bench/compare/vllm_server.py``, so a stock vLLM server in a comparison runs exactly the engine our worker
+    runs.
     """
     from vllm.config import KVEventsConfig, KVTransferConfig
 
@@ -580,13 +689,18 @@ def engine_arguments(
             port = _free_port(host)
             os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(port)
             bootstrap = f"http://{host}:{port}"
-        transfer = KVTransferConfig(
-            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+        pd = {
+            "kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
             # A prefill worker also pulls prefixes from its peers (KV copies): both roles.
-            kv_role="kv_both" if role == "prefill" else "kv_consumer", engine_id=instance_id,
-            kv_connector_extra_config={"mooncake_protocol": config.cluster.transfer_backend},
-            kv_load_failure_policy="fail",
-        )  # fmt: skip
+            "kv_role": "kv_both" if role == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": {"mooncake_protocol": config.cluster.transfer_backend},
+        }  # fmt: skip
+        tier = (
+            _store_tier(config, instance_id, pd, store_master)
+            if role == "prefill" and store_master
+            else {**pd, "engine_id": instance_id, "kv_load_failure_policy": "fail"}
+        )
+        transfer = KVTransferConfig(**tier)
     caching = pool_config.enable_prefix_caching and role != "decode"
     arguments = dict(
         model=config.model.path, served_model_name=[config.model.name], dtype=config.model.dtype,

@@ -84,5 +84,6 @@ async def profile_vllm(engine: VllmEngine, seed: int = 0) -> CostRefiner:
     await engine.llm.reset_prefix_cache()
     await asyncio.sleep(0.5)  # let the AllBlocksCleared event arrive before the first real request
     engine.events.pop()
+    engine.events.pop_store_puts()  # its random prompts put into the Store ([store] enabled): no one's prefix
     engine.stats.prefix_queries = engine.stats.prefix_hits = 0
     return refiner

@@ -25,17 +25,23 @@ log = logging.getLogger(__name__)
 
 
 async def build(
-    config: Config, role: str, instance_id: str, pool_config: WorkerConfig, count_sent: Callable[[int, int], None]
+    config: Config,
+    role: str,
+    instance_id: str,
+    pool_config: WorkerConfig,
+    count_sent: Callable[[int, int], None],
+    store_master: str = "",
 ) -> tuple[VllmEngine, CostRefiner, str]:
     """Start vLLM for one worker process and profile it: (engine, refiner, KV bootstrap address or "").
 
-    ``count_sent(blocks, bytes)`` is called with the KV its connector pushed to decode workers.
+    ``count_sent(blocks, bytes)`` is called with the KV its connector pushed to decode workers;
+    ``store_master``: the Mooncake Store's master, on a prefill worker with ``[store] enabled``.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     events_endpoint = f"ipc://{tempfile.gettempdir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
-    arguments, bootstrap = engine_arguments(config, role, instance_id, pool_config, events_endpoint)
+    arguments, bootstrap = engine_arguments(config, role, instance_id, pool_config, events_endpoint, store_master)
     caching = arguments["kv_events_config"] is not None
     args = AsyncEngineArgs(**arguments, disable_log_stats=False, enable_logging_iteration_details=True)
     log.info("starting vLLM for %s (%s, %d MiB KV cache)", config.model.path, config.model.dtype,

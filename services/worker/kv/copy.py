@@ -144,6 +144,45 @@ async def pull_by_connector(
     return copy
 
 
+def store_load_by_connector(worker: Worker, prompt: list[int], num_blocks: int) -> ConnectorCopy:
+    """A planned read of the prompt's first ``num_blocks`` blocks from the Mooncake Store, by the engine's connector.
+
+    vLLM's Store connector looks every prompt up in the Store and loads what the pool lacks as the prompt
+    runs: nothing to do before it but note what the pool holds already (``settle_store_load`` after it).
+    """
+    bs = worker.engine.layout.block_size
+    return ConnectorCopy(num_own=worker.engine.held_prefix_blocks(prefix_block_hashes(prompt[: num_blocks * bs], bs)))
+
+
+async def settle_store_load(
+    worker: Worker,
+    copy: ConnectorCopy,
+    prompt: list[int],
+    num_blocks: int,
+    num_cached_tokens: int,
+    store_id: str,
+    loads: list[tuple[int, float]],
+) -> None:
+    """After the prompt ran: what the connector loaded from the Store (its cached tokens beyond the pool's own).
+
+    Its time is that of the Store reads the connector timed while the prompt ran (``loads``: they name no
+    request; 0 when none was reported yet, and the Conductor then learns no link from it).
+
+    Fewer blocks than planned: the first one missing is gone from the Store (evicted silently by its master, or
+    lost with a restarted master or a segment's owner), and kvmeta is told, so the next plan does not count it.
+    """
+    layout = worker.engine.layout
+    held = min(num_cached_tokens // layout.block_size, num_blocks)
+    copy.num_copied = max(0, held - copy.num_own)
+    copy.bytes = copy.num_copied * layout.bytes_per_block
+    copy.seconds = sum(seconds for _, seconds in loads) if copy.num_copied else 0.0
+    copy.note = "loaded by vLLM's Store connector as the prompt ran"
+    if held < num_blocks:
+        copy.note = f"{store_id} had {held} of {num_blocks} blocks"
+        hashes = prefix_block_hashes(prompt[: (held + 1) * layout.block_size], layout.block_size)
+        await worker.events.publish_store(store_id, [], [hashes[held]])
+
+
 async def pull_from_store(worker: Worker, copy: PrefixCopy, store_id: str) -> None:
     """Read the blocks ``copy`` lacks from the Mooncake Store (never raises on a failed read).
 

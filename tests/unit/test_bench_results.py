@@ -6,6 +6,7 @@ result whose JSON names uncommitted code is refused.
 """
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,16 @@ def test_vllm_compare_readme_prose_numbers_come_from_the_json():
     gaps = {(r["contender"], r["level"]): 0.0 for r in requests}
     for r in requests:
         gaps[(r["contender"], r["level"])] = max(gaps[(r["contender"], r["level"])], max(r["itl"]))
+
+    def median_ms(values, digits=0):
+        return f"{statistics.median(values) * 1e3:,.{digits}f}"
+
+    def of(spec, level):
+        return [r for r in requests if (r["contender"], r["level"]) == (spec, level)]
+
+    hand_over = {k: median_ms(r["itl"][1] for r in of(*k)) for k in gaps}
+    token1 = {k: median_ms(r["ttft"] + r["itl"][1] for r in of(*k)) for k in gaps}
+    steady = {k: median_ms([x for r in of(*k) for x in r["itl"][2:]], 1) for k in gaps}
     claims = [
         f"TTFT p50 {ttft[('conductor', 'c=1')]:.1f} ms (Conductor) vs {sg:.1f} (sglang-router cache_aware), "
         f"{vc:.1f} (vllm-router cache_aware), {vp:.1f} ms (vllm-router power_of_two)",
@@ -235,6 +246,12 @@ def test_vllm_compare_readme_prose_numbers_come_from_the_json():
         f"{1 - goodput[(pd, 'c=1')] / goodput[(stock, 'c=1')]:.0%} at c=1",
         f"{gaps[(pd, 'c=1')]:.2f} s at c=1 and {gaps[(pd, 'c=4')]:.2f} s at c=4 "
         f"({gaps[(stock, 'c=1')]:.2f} and {gaps[(stock, 'c=4')]:.2f} s for the stock pair)",
+        f"(median inter-token gap {steady[(pd, 'c=1')]} against {steady[(stock, 'c=1')]} ms at c=1, "
+        f"{steady[(pd, 'c=4')]} against {steady[(stock, 'c=4')]} ms at c=4",
+        f"its median is {hand_over[(pd, 'c=1')]} ms at c=1 and {hand_over[(pd, 'c=4')]} ms at c=4 "
+        f"({hand_over[(stock, 'c=1')]} and {hand_over[(stock, 'c=4')]} ms for the stock pair",
+        f"Token 0 plus token 1 arrive {token1[(pd, 'c=1')]} against {token1[(stock, 'c=1')]} ms after the request "
+        f"at c=1 and {token1[(pd, 'c=4')]} against {token1[(stock, 'c=4')]} ms at c=4",
     ]
     cpu = json.loads((folder / "cpu.json").read_text())
     assert cpu["code"] == record["code"]
@@ -249,6 +266,9 @@ def test_vllm_compare_readme_prose_numbers_come_from_the_json():
         f"| decode: vLLM model runner | {window[(pd, 'c=1')]['decode: vLLM model runner']:.2f} | "
         f"{window[(stock, 'c=1')]['decode: vLLM model runner']:.2f} | "
         f"{ours4['decode: vLLM model runner']:.2f} | {stock4['decode: vLLM model runner']:.2f} |",
+        f"| prefill: vLLM model runner | {window[(pd, 'c=1')]['prefill: vLLM model runner']:.2f} | "
+        f"{window[(stock, 'c=1')]['prefill: vLLM model runner']:.2f} | "
+        f"{ours4['prefill: vLLM model runner']:.2f} | {stock4['prefill: vLLM model runner']:.2f} |",
         f"used {services:.2f} s of CPU at c=4 against {servers:.2f} s for the two API servers and the router "
         f"({services / n * 1e3:.0f} against {servers / n * 1e3:.0f} ms per request)",
         f"({sum(ours4[k] for k in engines):.2f} against {sum(v for k, v in stock4.items() if 'vLLM' in k):.2f} s)",

@@ -306,6 +306,22 @@ def reference_tokens(model_dir, prompts, max_tokens=MAX_TOKENS):
     return [generate(engine, p, params) for p in prompts]
 
 
+def store_record(cluster):
+    """The store service's etcd record (its master's address and start number)."""
+    from services.common.registry import Registry
+
+    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
+        return next(iter(registry.list("store").values()))
+
+
+def store_master_pid(cluster) -> int:
+    """The mooncake_master child of the store service."""
+    service = cluster.manifest["processes"]["store-0"]["pid"]
+    children = Path(f"/proc/{service}/task/{service}/children").read_text().split()
+    assert len(children) == 1, f"the store service has children {children}"
+    return int(children[0])
+
+
 def run_load(cluster, prompts, threads=3, max_tokens=MAX_TOKENS):
     """Greedy requests through the Conductor from several threads; token lists or the exception each raised."""
     from concurrent.futures import ThreadPoolExecutor

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 import grpc
 import helpers
@@ -81,7 +80,7 @@ def test_a_prefix_evicted_from_every_pool_is_served_from_the_store(store_cluster
     assert usage.cached_tokens == 592
     assert tokens == cold == helpers.reference_tokens(model_dir, [prompt])[0]
     status = helpers.cli(store_cluster, "status")
-    assert f"Mooncake Store: store-0, master {_store_record(store_cluster).master_address}" in status.stdout
+    assert f"Mooncake Store: store-0, master {helpers.store_record(store_cluster).master_address}" in status.stdout
     assert "store-0 -> prefill-0: " in status.stdout, status.stdout  # the link learned from the Store's reads
 
 
@@ -91,7 +90,7 @@ def _raw_client(cluster):
 
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
-                        _store_record(cluster).master_address) == 0  # fmt: skip
+                        helpers.store_record(cluster).master_address) == 0  # fmt: skip
     return client
 
 
@@ -114,7 +113,7 @@ def test_a_store_read_that_hangs_is_given_up_and_the_prompt_recomputed(store_clu
     # 320 tokens: the 19 blocks the hanging read holds (until Mooncake gives up, 30 s) leave room in the 64-block
     # pool for the 21 the prompt is recomputed in
     prompt, _, cold = _only_in_store(store_cluster, random.Random(16), length=320)
-    master = _master_pid(store_cluster)
+    master = helpers.store_master_pid(store_cluster)
     os.kill(master, signal.SIGSTOP)  # alive (its service does not restart it) but silent: Mooncake waits 30 s
     try:
         tokens, decision, usage = helpers.grpc_generate(store_cluster, prompt, PD, request_id="hang-1")
@@ -127,21 +126,6 @@ def test_a_store_read_that_hangs_is_given_up_and_the_prompt_recomputed(store_clu
     assert "the planned copy moved less: store-0: no answer within 1.0 s; recomputing" in explained.stdout
 
 
-def _store_record(cluster):
-    from services.common.registry import Registry
-
-    with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        return next(iter(registry.list("store").values()))
-
-
-def _master_pid(cluster) -> int:
-    """The mooncake_master child of the store service."""
-    service = cluster.manifest["processes"]["store-0"]["pid"]
-    children = Path(f"/proc/{service}/task/{service}/children").read_text().split()
-    assert len(children) == 1, f"the store service has children {children}"
-    return int(children[0])
-
-
 def test_a_master_killed_under_load_fails_no_request_and_the_store_caches_again(store_cluster, model_dir):
     import os
     import signal
@@ -150,18 +134,18 @@ def test_a_master_killed_under_load_fails_no_request_and_the_store_caches_again(
     rng = random.Random(41)
     shared = [[rng.randrange(256) for _ in range(256)] for _ in range(3)]
     prompts = [shared[i % 3] + [rng.randrange(256) for _ in range(48)] for i in range(12)]
-    before = _store_record(store_cluster)
+    before = helpers.store_record(store_cluster)
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(helpers.run_load, store_cluster, prompts, 2)
         time.sleep(1.0)  # the first requests are in flight, their blocks on their way into the Store
-        os.kill(_master_pid(store_cluster), signal.SIGKILL)
+        os.kill(helpers.store_master_pid(store_cluster), signal.SIGKILL)
         results = load.result(timeout=300)
     failed = [r for r in results if not isinstance(r, list)]
     assert not failed, failed
     assert results == helpers.reference_tokens(model_dir, prompts)
 
     deadline = time.monotonic() + 60  # the store service started the master again: a new generation
-    while (after := _store_record(store_cluster)).generation == before.generation:
+    while (after := helpers.store_record(store_cluster)).generation == before.generation:
         assert time.monotonic() < deadline, "the master was not restarted"
         time.sleep(0.2)
     assert after.master_address == before.master_address

@@ -8,12 +8,22 @@ the least vLLM takes (one 4,096-token request of the test model, 4 KiB a token):
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import FAR_SLOS, grpc_generate, kvmeta_matches, running_cluster
+from helpers import (
+    FAR_SLOS,
+    grpc_generate,
+    kvmeta_matches,
+    run_load,
+    running_cluster,
+    store_master_pid,
+)
 
 from engine.block_hash import prefix_block_hashes
 from kvconductor.v1 import conductor_pb2, conductor_pb2_grpc
@@ -71,3 +81,23 @@ def test_a_prefix_the_vllm_holder_evicted_is_loaded_from_the_store(cluster):
         )
     assert explained.outcome.copied_tokens == reusable, explained.outcome
     assert "loaded by vLLM's Store connector" in explained.outcome.copy_note
+
+
+def test_a_master_killed_under_load_fails_no_vllm_request(cluster):
+    """vLLM's Store client looks every prompt up and puts every prompt's blocks: a dead master must cost time only.
+
+    What vLLM's client does once the store service has started the master again is not asserted: unlike the
+    built-in path's client (tests/e2e/test_store.py) it is never re-created, and runs differed (docs/vllm.md).
+    """
+    rng = random.Random(32)
+    shared = [[rng.randrange(256) for _ in range(256)] for _ in range(3)]
+    prompts = [shared[i % 3] + [rng.randrange(256) for _ in range(48)] for i in range(6)]
+    reference = run_load(cluster, prompts[:3], threads=1)  # each shared prefix computed once, before the kill
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(run_load, cluster, prompts, 2)
+        time.sleep(1.0)  # the first requests are in flight, their blocks on their way into the Store
+        os.kill(store_master_pid(cluster), signal.SIGKILL)
+        results = load.result(timeout=600)
+    failed = [r for r in results if not isinstance(r, list)]
+    assert not failed, failed
+    assert results[:3] == reference

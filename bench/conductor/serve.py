@@ -64,10 +64,14 @@ def overrides(etcd: EmbeddedEtcd, cluster: str) -> list[str]:
 
 
 def spawn(args: list[str], core: int, log: Path) -> subprocess.Popen[bytes]:
-    """A process of this benchmark on ``core`` (every thread it starts inherits the affinity)."""
+    """A process of this benchmark on ``core`` (every thread it starts inherits the affinity).
+
+    ``taskset`` pins it, not a ``preexec_fn``: that makes Python fork instead of vfork, and a fork while this
+    process's gRPC threads run can abort the child (gRPC skips its fork handlers then; seen under load).
+    """
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=lambda: os.sched_setaffinity(0, {core}))  # fmt: skip
+        return subprocess.Popen(["taskset", "-c", str(core), sys.executable, *args], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
 
 
 @contextmanager

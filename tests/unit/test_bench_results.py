@@ -23,6 +23,12 @@ def _load(name):
     return json.loads((SIM / name).read_text())
 
 
+def _assert_quotes(text, claims, what):
+    """Every claim appears in ``text``; ``what`` says which write-up disagrees with which JSON."""
+    missing = [c for c in claims if c not in text]
+    assert not missing, f"{what}: {missing}"
+
+
 def _tables(markdown):
     return [line for line in markdown.splitlines() if line.startswith("|")]
 
@@ -91,8 +97,7 @@ def test_sim_readme_prose_numbers_come_from_the_json():
     ]
     ranked = sorted((p for p in noisy if p != "colocated"), key=noisy.get)
     assert ranked == sorted((p for p in policies if p != "colocated"), key=lambda p: policies[p]["ttft"]["mean"])
-    missing = [c for c in claims if c not in readme]
-    assert not missing, f"README.md disagrees with the JSON: {missing}"
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
     assert sum(overload["plain"]["rejections"].values()) == sum(overload["prediction"]["rejections"].values())
 
 
@@ -275,8 +280,7 @@ def test_vllm_compare_readme_prose_numbers_come_from_the_json():
     ]
     assert all(runs[(spec, level)]["completed"] == 20 for spec in (pd, stock) for level in ("c=1", "c=4"))
     assert "20/20 at c=1 and at c=4" in readme
-    missing = [c for c in claims if c not in readme]
-    assert not missing, f"README.md disagrees with the JSON: {missing}"
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
 def test_conductor_results_name_clean_code_and_the_readme_says_what_the_json_says():
@@ -382,8 +386,7 @@ def test_scale_sweeps_name_clean_code_and_the_readme_quotes_their_capacities():
         f"{at12['sglang:cache_aware']['tbt_ms']['p90']:.0f} ms for sglang-router, "
         f"{at12['dynamo:kv']['tbt_ms']['p90']:.0f} ms for Dynamo)",
     ]
-    missing = [c for c in claims if c not in flat]
-    assert not missing, f"README.md disagrees with trace/routers.json: {missing}"
+    _assert_quotes(flat, claims, "README.md disagrees with trace/routers.json")
     earlier, _ = _capacity((folder / "trace-worker-admission" / "routers.md").read_text())
     assert all(line in readme for line in earlier), "README.md does not quote the earlier run's capacity table"
 
@@ -432,8 +435,7 @@ def test_the_shared_prefix_sweep_readme_says_what_its_json_says():
         f"{at9['conductor']['ttft_ms']['median'] / 1e3:.2f} s (colocated) and "
         f"{at9['conductor:disaggregated']['ttft_ms']['median'] / 1e3:.1f} s (PD)",
     ]
-    missing = [c for c in claims if c not in flat]
-    assert not missing, f"README.md disagrees with shared-prefix/routers.json: {missing}"
+    _assert_quotes(flat, claims, "README.md disagrees with shared-prefix/routers.json")
 
 
 def test_the_one_cost_model_sweeps_say_what_their_json_says():
@@ -467,8 +469,7 @@ def test_the_one_cost_model_sweeps_say_what_their_json_says():
         f"{ttft['conductor:disaggregated'][-1]:.2f} s PD)",
     ]
     assert all(s["slo_attainment"] == 1.0 for levels in half.values() for s in levels.values())  # "all three hold 100%"
-    missing = [c for c in claims if c not in flat]
-    assert not missing, f"README.md disagrees with the one-cost-model sweeps: {missing}"
+    _assert_quotes(flat, claims, "README.md disagrees with the one-cost-model sweeps")
 
 
 PEERS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:kv_aware")
@@ -507,8 +508,7 @@ def test_the_higher_grid_sweep_says_what_its_json_says():
         f"our split refused {pd[20.0]['failed']} requests",
         f"and the colocated Conductor {col[20.0]['failed']};",
     ]
-    missing = [c for c in claims if c not in flat]
-    assert not missing, f"README.md disagrees with shared-prefix-linear-ts2-hi/routers.json: {missing}"
+    _assert_quotes(flat, claims, "README.md disagrees with shared-prefix-linear-ts2-hi/routers.json")
     failed = sum(s["failed"] for levels in run.values() for s in levels.values())
     assert failed == pd[20.0]["failed"] + col[20.0]["failed"]  # "nothing else failed anywhere"
 
@@ -536,8 +536,7 @@ def test_the_store_benchmark_readme_says_what_its_json_says():
         f"{store['ttft_p90_s']:.2f} s",
         f"({record['working_set_tokens']:,} tokens of distinct trace blocks)",
     ]
-    missing = [c for c in claims if c not in flat]
-    assert not missing, f"bench/results/store/README.md disagrees with store.json: {missing}"
+    _assert_quotes(flat, claims, "bench/results/store/README.md disagrees with store.json")
     assert store["hit_rate"] >= 0.9 * infinite  # the issue's target, met
     overloaded = json.loads((folder / "overloaded-2p.json").read_text())["runs"]["engine pools only"]
     assert overloaded["errors"] == {"transport: ReadError": 1} and "`transport: ReadError`" in flat
@@ -691,8 +690,7 @@ def test_plan_results_name_clean_code_and_the_readme_says_what_the_json_says():
         f"({runs['conversation-16']['base_rate']:.2f} req/s as recorded",
     ]
     assert len(dyn) == 15 and rate["7P+2C"]["capacity"] == runs["conversation-8rps"]["capacity"]
-    missing = [c for c in claims if c not in readme]
-    assert not missing, f"README.md disagrees with the JSON: {missing}"
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
 def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_says():
@@ -729,8 +727,7 @@ def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_s
         f"16 colocated workers held {before['contenders']['conductor']['capacity'][0]['capacity']:g} req/s before",
         f"and {cap['conductor']:g} now",
     ]
-    missing = [c for c in claims if c not in readme]
-    assert not missing, f"README.md disagrees with the JSON: {missing}"
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
 def test_the_startup_readme_says_what_its_json_says():
@@ -752,5 +749,4 @@ def test_the_startup_readme_says_what_its_json_says():
         f"{starts['builtin pd cold'] - starts['builtin pd warm']:.1f} s of {starts['builtin pd cold']} s",
         f"(warm {starts['builtin pd warm']} s)",
     ]
-    missing = [c for c in claims if c not in flat]
-    assert not missing, f"bench/results/engine/startup/README.md disagrees with startup.json: {missing}"
+    _assert_quotes(flat, claims, "bench/results/engine/startup/README.md disagrees with startup.json")

@@ -1,4 +1,4 @@
-"""vLLM's MooncakeConnector, loadable on a CPU-only torch, and an orphan guard for vLLM's child processes.
+"""vLLM's Mooncake connectors (PD and copies; the Store beside them), loadable on a CPU-only torch, and an orphan guard.
 
 vLLM imports this module (``kv_connector_module_path``) inside its EngineCore process and its model
 worker process. Three things happen on import:

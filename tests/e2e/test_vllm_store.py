@@ -20,6 +20,7 @@ from helpers import (
     FAR_SLOS,
     grpc_generate,
     kvmeta_matches,
+    listeners_off,
     run_load,
     running_cluster,
     store_master_pid,
@@ -55,6 +56,11 @@ def _wait_for(cluster, hashes, holder, want, timeout=120):
     while (got := kvmeta_matches(cluster, hashes).get(holder, 0)) != want:
         assert time.monotonic() < deadline, f"{holder} holds {got} of the prompt's blocks, not {want}"
         time.sleep(0.2)
+
+
+def test_vllms_store_client_listens_on_the_cluster_host_only(cluster):
+    """Its transfer engine inside vLLM's model runner included (``bind_guard``, installed by vllm_connector)."""
+    assert listeners_off(cluster) == []
 
 
 def test_a_prefix_the_vllm_holder_evicted_is_loaded_from_the_store(cluster):

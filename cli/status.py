@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -101,7 +102,8 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
     if status.store_json:
         store = InstanceRecord.from_json(json.loads(status.store_json))
         assert isinstance(store, StoreRecord), "the store record is not a store's"
-        print(f"Mooncake Store: {store.instance_id}, master {store.master_address} (start {store.generation})")
+        started = f"{datetime.fromtimestamp(store.generation / 1e6, UTC):%Y-%m-%d %H:%M:%S} UTC"
+        print(f"Mooncake Store: {store.instance_id}, master {store.master_address} (start of {started})")
     shared = [i for i in status.instances if i.num_foreign or i.overcommit_requests_max or i.overcommit_blocks_max]
     if shared:
         print("other Conductors' requests, and the most a worker held beyond this Conductor's count (requests/blocks):")

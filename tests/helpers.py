@@ -307,11 +307,11 @@ def reference_tokens(model_dir, prompts, max_tokens=MAX_TOKENS):
 
 
 def store_record(cluster):
-    """The store service's etcd record (its master's address and start number)."""
+    """The store service's etcd record (its master's address and start), None while it is not registered."""
     from services.common.registry import Registry
 
     with Registry(cluster.manifest["etcd"], cluster.manifest["cluster"]) as registry:
-        return next(iter(registry.list("store").values()))
+        return next(iter(registry.list("store").values()), None)
 
 
 def store_master_pid(cluster) -> int:

@@ -390,6 +390,9 @@ class StoreConfig:
     eviction_high_watermark_ratio: float = 0.9  # the embedded master evicts when the pool is this full ...
     eviction_ratio: float = 0.05  # ... this share of its objects, least recently used first
     read_timeout_s: float = 1.0  # a fill from the Store unanswered this long is given up: the prompt is recomputed
+    # kvmeta keeps the Store's index this long after the store service's registration went (a lapsed lease is
+    # not a lost pool: back with the same master, the index stands; with a new one, it goes at once)
+    index_grace_s: float = 60.0
 
     def validate(self) -> None:
         """Raise ConfigError on a bad value."""
@@ -405,6 +408,7 @@ class StoreConfig:
         )
         _check(0.0 < self.eviction_ratio <= 1.0, "[store] eviction_ratio", "must be in (0, 1]")
         _check(self.read_timeout_s > 0.0, "[store] read_timeout_s", "must be > 0")
+        _check(0.0 <= self.index_grace_s <= 3600.0, "[store] index_grace_s", "must be in [0, 3600]")
 
 
 @dataclass

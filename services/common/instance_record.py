@@ -152,4 +152,4 @@ class StoreRecord(InstanceRecord):
     """The store service: where the Mooncake Store's master listens, and which start of it that is."""
 
     master_address: str  # host:port of mooncake_master's RPC
-    generation: int = 1  # starts of the master so far: a new one holds none of the objects put before
+    generation: int = 1  # which start of the master (its wall-clock µs): a new one holds none of the objects put before

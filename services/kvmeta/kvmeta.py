@@ -10,7 +10,10 @@ Invariants:
   enters the index that a lease will not take out again. A worker that publishes before kvmeta's watch
   saw its record (start-up) is refused and gets in at its next heartbeat with its full inventory.
 * When a registration goes (lease ended: crash, drain, partition), everything kvmeta holds for the
-  instance goes with it: its blocks, its sequence number, a half-received chunked resync.
+  instance goes with it: its blocks, its sequence number, a half-received chunked resync. The Mooncake
+  Store is the exception: its objects live in the master and the workers' segments, not in the store
+  service, so its entries wait ``[store] index_grace_s`` for the service to register again. Back with the
+  same master start (``generation``) they stand; with a new one, or not back in time, they go.
 * A full inventory too large for one message comes in chunks (services/kvmeta/resync.py): while they
   arrive the instance's entries only grow, and at the last chunk they become exactly the inventory.
 * Conductors follow the index (services/kvmeta/followers.py): a snapshot, then every change in the order it
@@ -28,6 +31,7 @@ import grpc
 
 from kvconductor.v1 import common_pb2, kvmeta_pb2, kvmeta_pb2_grpc
 from scheduler.kv_index import KVIndex
+from services.common.config import StoreConfig
 from services.common.instance_record import StoreRecord
 from services.common.registry import InstanceEvent, Registry, RegistryWatch
 from services.common.rpc import RpcError, Service
@@ -40,12 +44,14 @@ log = logging.getLogger(__name__)
 class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
     """``KvMeta.PublishEvents``, ``Follow`` and ``MatchPrefix``."""
 
-    def __init__(self) -> None:
+    def __init__(self, store_grace_s: float = StoreConfig.index_grace_s) -> None:
+        self.store_grace_s = store_grace_s
         self.index = KVIndex()
         self.resyncs = ChunkedResyncs(self.index)
         self.followers = Followers(self.index)
         self.registered: dict[str, str] = {}  # instance id -> role, as the etcd watch last saw them
         self._store_generation: dict[str, int] = {}  # store service -> the start of its master indexed
+        self._store_gone: dict[str, asyncio.TimerHandle] = {}  # store service unregistered -> its entries' drop
 
     async def PublishEvents(  # noqa: N802
         self, request: kvmeta_pb2.PublishEventsRequest, context: Any
@@ -110,23 +116,41 @@ class KvMetaServicer(kvmeta_pb2_grpc.KvMetaServicer):
     def on_instance_event(self, event: InstanceEvent) -> None:
         """Follow the registrations; drop an instance's blocks when its registration disappears (crash or drain).
 
-        The Store's entries go too when its master starts again: a new master holds nothing.
+        The Store's entries go when its master starts again (a new master holds nothing), or when the store
+        service stays unregistered for ``store_grace_s`` (called on the running event loop).
         """
+        instance = event.instance_id
         if event.kind == "delete":
-            self.registered.pop(event.instance_id, None)
-            self._store_generation.pop(event.instance_id, None)
-            self.resyncs.discard(event.instance_id)
-            dropped = self.index.drop_instance(event.instance_id)
-            log.info("instance %s left: dropped %d blocks", event.instance_id, dropped)
+            self.registered.pop(instance, None)
+            self.resyncs.discard(instance)
+            if instance in self._store_generation and self.store_grace_s > 0:
+                if (gone := self._store_gone.get(instance)) is not None:
+                    gone.cancel()
+                self._store_gone[instance] = asyncio.get_running_loop().call_later(
+                    self.store_grace_s, self._forget, instance, f"stayed unregistered {self.store_grace_s:.0f} s"
+                )
+                log.info("store service %s unregistered: its index waits %.0f s for the same master to come back",
+                         instance, self.store_grace_s)  # fmt: skip
+            else:
+                self._forget(instance, "left")
             return
-        self.registered[event.instance_id] = event.role
+        self.registered[instance] = event.role
         if isinstance(event.record, StoreRecord):
-            known = self._store_generation.get(event.instance_id)
-            self._store_generation[event.instance_id] = event.record.generation
+            if (gone := self._store_gone.pop(instance, None)) is not None:
+                gone.cancel()
+            known = self._store_generation.get(instance)
+            self._store_generation[instance] = event.record.generation
             if known is not None and known != event.record.generation:
-                dropped = self.index.drop_instance(event.instance_id)
-                log.info("the Store's master restarted (start %d): dropped its %d blocks", event.record.generation,
-                         dropped)  # fmt: skip
+                dropped = self.index.drop_instance(instance)
+                log.info("the Store's master started again (generation %d): dropped its %d blocks",
+                         event.record.generation, dropped)  # fmt: skip
+
+    def _forget(self, instance: str, why: str) -> None:
+        """Drop everything indexed for an unregistered instance."""
+        self._store_gone.pop(instance, None)
+        self._store_generation.pop(instance, None)
+        dropped = self.index.drop_instance(instance)
+        log.info("instance %s %s: dropped %d blocks", instance, why, dropped)
 
     def follow(self, registry: Registry) -> RegistryWatch:
         """Watch ``registry``'s instances, applying each change on the running event loop (the handlers' own)."""

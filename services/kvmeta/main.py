@@ -11,7 +11,7 @@ from services.kvmeta.kvmeta import KvMetaServicer, services
 async def run(config: Config, instance_id: str) -> None:
     """Serve the global KV index; index only registered instances, drop an instance's blocks when its lease goes."""
     registry = cluster_registry(config)
-    servicer = KvMetaServicer()
+    servicer = KvMetaServicer(store_grace_s=config.store.index_grace_s)
     servicer.follow(registry)
     await serve(
         services(servicer), config.cluster.host, config.cluster.grpc_port, registry=registry, role="kvmeta",

@@ -17,7 +17,7 @@ from services.common.config import Config
 from services.common.instance_record import StoreRecord
 from services.common.registry import Registry
 from services.common.rpc import serve
-from services.store.master import StoreMaster
+from services.store.master import StoreMaster, new_generation
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,11 @@ class StoreService:
         self.master = None if config.store.master_address else StoreMaster(config.store, config.cluster.host)
         self.master_address = self.master.address if self.master else config.store.master_address
         self.record: StoreRecord | None = None
+        self._started = new_generation()  # an external master's generation: it may have restarted while we did not run
 
     def make_record(self, address: str, metrics_address: str) -> StoreRecord:
         """The etcd record, once the service listens on ``address``."""
-        generation = self.master.generation if self.master else 1
+        generation = self.master.generation if self.master else self._started
         self.record = StoreRecord("store", self.instance_id, address, metrics_address,
                                   master_address=self.master_address, generation=generation)  # fmt: skip
         return self.record

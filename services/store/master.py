@@ -3,7 +3,8 @@
 The store service runs one master and keeps it running: when it exits (a crash, a kill -9) it is started
 again on the same port, so the workers' store clients reconnect to it. A restarted master knows no object
 from before (the Store is a lossy cache: every lookup then misses and the requests recompute), which
-``generation`` tells the rest of the service.
+``generation`` tells the rest of the cluster: the start's wall-clock time, so that no start, not even one by a
+restarted store service, repeats an earlier one's.
 
 Its flags: the RPC port and address, its own Prometheus (metrics and admin HTTP) port and address (the
 master's default for that one is 0.0.0.0, every interface), the eviction watermarks of ``[store]``, and a
@@ -30,6 +31,11 @@ LEASE_TTL_MS = 5000  # an object read is kept at least this long (Mooncake's def
 STOP_TIMEOUT_S = 5.0
 
 
+def new_generation(previous: int = 0) -> int:
+    """The number of a master start: its wall-clock microsecond, above ``previous``."""
+    return max(previous + 1, time.time_ns() // 1000)
+
+
 def master_binary() -> Path:
     """``mooncake_master`` of the installed wheel."""
     path = Path(mooncake.__file__).parent / "mooncake_master"
@@ -48,7 +54,7 @@ class StoreMaster:
         self.config = config
         self.host = host
         self.port = config.master_port or free_port()
-        self.generation = 0  # starts so far; each one begins with an empty pool
+        self.generation = 0  # the running start's new_generation(); each start begins with an empty pool
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -76,8 +82,8 @@ class StoreMaster:
             log.warning("mooncake_master exited with %s; starting it again on %s (its objects are gone)",
                         self._process.returncode, self.address)  # fmt: skip
         self._process = subprocess.Popen(self.command(), preexec_fn=die_with_parent)  # logs to the store service's log
-        self.generation += 1
-        log.info("mooncake_master (pid %d, start %d) on %s", self._process.pid, self.generation, self.address)
+        self.generation = new_generation(self.generation)
+        log.info("mooncake_master (pid %d, generation %d) on %s", self._process.pid, self.generation, self.address)
         return True
 
     @property

@@ -160,6 +160,37 @@ def test_a_master_killed_under_load_fails_no_request_and_the_store_caches_again(
             assert time.monotonic() < deadline, "no new prefix reached the restarted Store"
 
 
+def test_a_store_service_whose_lease_lapsed_comes_back_to_the_same_index(store_cluster):
+    """The store service stalls past its etcd lease (its master runs on): kvmeta keeps the Store's entries."""
+    import os
+    import signal
+
+    prompt, hashes, cold = _only_in_store(store_cluster, random.Random(17))
+    before = helpers.store_record(store_cluster)
+    service = store_cluster.manifest["processes"]["store-0"]["pid"]
+    os.kill(service, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while helpers.store_record(store_cluster) is not None:
+            assert time.monotonic() < deadline, "the stopped store service's lease did not lapse"
+            time.sleep(0.2)
+    finally:
+        os.kill(service, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while (after := helpers.store_record(store_cluster)) is None:
+        assert time.monotonic() < deadline, "the store service did not register again"
+        time.sleep(0.2)
+    assert after.generation == before.generation  # the same master
+    assert helpers.kvmeta_matches(store_cluster, hashes).get("store-0") == len(hashes)  # its index kept
+    deadline = time.monotonic() + 30  # the Conductor sees the record again through its own etcd watch
+    while not helpers.conductor_status(store_cluster).store_json:
+        assert time.monotonic() < deadline, "the Conductor did not see the store service again"
+        time.sleep(0.2)
+    tokens, decision, _ = helpers.grpc_generate(store_cluster, prompt, PD)
+    assert decision.copy_from == "store-0", decision.reason
+    assert tokens == cold
+
+
 def test_the_store_and_its_master_listen_on_the_cluster_host_only(store_cluster):
     """mooncake_master (a child of the store service) and every client's transfer engine included."""
     assert helpers.listeners_off(store_cluster) == []

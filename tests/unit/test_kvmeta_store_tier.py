@@ -1,18 +1,25 @@
-"""kvmeta's index of the Mooncake Store tier: entries from many workers, dropped when the master restarts."""
+"""kvmeta's index of the Mooncake Store tier: entries from many workers, dropped when the master restarts or the
+store service stays away."""
 
 import asyncio
+
+import pytest
 
 from kvconductor.v1 import common_pb2, kvmeta_pb2
 from services.common.instance_record import InstanceRecord, StoreRecord
 from services.common.registry import InstanceEvent
+from services.common.rpc import RpcError
 from services.kvmeta.kvmeta import KvMetaServicer
 
 
-def _publish(kvmeta, instance_id, stored=(), removed=(), tier=common_pb2.KV_TIER_STORE, seq=0, full=False):
-    request = kvmeta_pb2.PublishEventsRequest(instance_id=instance_id, seq=seq, stored_block_hashes=list(stored),
-                                              removed_block_hashes=list(removed), full_inventory=full,
-                                              tier=tier)  # fmt: skip
-    return asyncio.run(kvmeta.PublishEvents(request, None))
+def _request(instance_id, stored=(), removed=(), tier=common_pb2.KV_TIER_STORE, seq=0, full=False):
+    return kvmeta_pb2.PublishEventsRequest(instance_id=instance_id, seq=seq, stored_block_hashes=list(stored),
+                                           removed_block_hashes=list(removed), full_inventory=full,
+                                           tier=tier)  # fmt: skip
+
+
+def _publish(kvmeta, *args, **kwargs):
+    return asyncio.run(kvmeta.PublishEvents(_request(*args, **kwargs), None))
 
 
 def _store(generation):
@@ -36,9 +43,48 @@ def test_store_entries_come_from_many_writers_without_sequence_and_go_with_a_new
     assert kvmeta.index.num_blocks("store-0") == 4
     kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(2)))  # the master restarted: all lost
     assert kvmeta.index.num_blocks("store-0") == 0
-    _publish(kvmeta, "store-0", h[:1])
-    kvmeta.on_instance_event(InstanceEvent("delete", "store", "store-0", None))  # the store service left
-    assert kvmeta.index.num_blocks("store-0") == 0
+
+
+def test_a_lapsed_store_lease_keeps_the_index_for_the_same_master_and_not_for_a_new_one():
+    h = [bytes([i]) * 32 for i in range(3)]
+
+    async def scenario():
+        kvmeta = KvMetaServicer(store_grace_s=0.3)
+        kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(7)))
+        await kvmeta.PublishEvents(_request("store-0", h), None)
+        kvmeta.on_instance_event(InstanceEvent("delete", "store", "store-0", None))  # its etcd lease lapsed
+        assert kvmeta.index.num_blocks("store-0") == 3  # the master still holds them
+        with pytest.raises(RpcError):  # ... but nothing is indexed for it while it is away
+            await kvmeta.PublishEvents(_request("store-0", h[:1]), None)
+        kvmeta.on_instance_event(InstanceEvent("delete", "store", "store-0", None))  # a repeated delete
+        kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(7)))  # back, same master
+        await asyncio.sleep(0.5)  # past the grace: kept
+        assert kvmeta.index.num_blocks("store-0") == 3
+
+        kvmeta.on_instance_event(InstanceEvent("delete", "store", "store-0", None))
+        kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(8)))  # back with a new master
+        assert kvmeta.index.num_blocks("store-0") == 0
+
+        await kvmeta.PublishEvents(_request("store-0", h), None)
+        kvmeta.on_instance_event(InstanceEvent("delete", "store", "store-0", None))  # gone for good
+        assert kvmeta.index.num_blocks("store-0") == 3
+        await asyncio.sleep(0.5)
+        assert kvmeta.index.num_blocks("store-0") == 0
+        kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(8)))  # a late return: nothing stale
+        assert kvmeta.index.num_blocks("store-0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_without_a_grace_the_store_index_goes_with_its_registration():
+    async def scenario():
+        kvmeta = KvMetaServicer(store_grace_s=0)
+        kvmeta.on_instance_event(InstanceEvent("put", "store", "store-0", _store(1)))
+        await kvmeta.PublishEvents(_request("store-0", [b"\1" * 32]), None)
+        kvmeta.on_instance_event(InstanceEvent("delete", "store", "store-0", None))
+        assert kvmeta.index.num_blocks("store-0") == 0
+
+    asyncio.run(scenario())
 
 
 def test_store_record_round_trips_through_its_json():

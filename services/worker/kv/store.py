@@ -276,7 +276,7 @@ class KVStore:
             _close_later(client)
             self._back_off(f"cannot connect to the master at {record.master_address} ({code})")
             return None
-        log.info("Mooncake Store: connected to %s (start %d), %d MiB contributed", record.master_address,
+        log.info("Mooncake Store: connected to %s (generation %d), %d MiB contributed", record.master_address,
                  record.generation, self.config.store.segment_mb)  # fmt: skip
         self._client, self._connected_to = client, target
         self._known.clear()  # a new master holds nothing of what was put before

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from services.common.child_process import die_with_parent
+from services.common.child_process import dies_with_parent
 from services.common.net import free_port
 
 _LOG_TAIL_BYTES = 4000
@@ -141,8 +141,8 @@ class EmbeddedEtcd:
             *(self.tls.args() if self.tls is not None else []),
         ]
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          preexec_fn=die_with_parent)  # fmt: skip
+            self._proc = subprocess.Popen(dies_with_parent(args), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL)  # fmt: skip
         try:
             self._wait_healthy()
         except BaseException:

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from cli.etcd_server import EmbeddedEtcd
-from services.common.child_process import die_with_parent
+from services.common.child_process import dies_with_parent
 from services.common.cluster_registry import etcd_auth
 from services.common.config import Config, load_config
 from services.common.net import free_port
@@ -207,8 +207,8 @@ class Cluster:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         offset = log_path.stat().st_size if log_path.exists() else 0
         with log_path.open("ab") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                       preexec_fn=die_with_parent)  # fmt: skip
+            process = subprocess.Popen(dies_with_parent(args), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)  # fmt: skip
         self.children.append(Child(role, instance_id, process, log_path, offset))
 
     def _wait_ready(self) -> None:

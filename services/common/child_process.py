@@ -3,26 +3,25 @@
 ``kvconductor up`` starts every service, etcd included, as its child, and a service may start its own
 (the store's ``mooncake_master``). When the parent dies without stopping them (SIGKILL, a closed terminal),
 each child gets SIGTERM from the kernel, which a service handles as a drain: it leaves etcd at once and
-exits. Passed as ``preexec_fn``: it runs in the child between fork and exec and only makes one system call.
+exits.
+
+The signal is set by ``setpriv --pdeathsig`` (util-linux), which then execs the command, not by a
+``preexec_fn``: a ``preexec_fn`` makes Python fork instead of vfork, and a fork while the parent's gRPC
+threads run (every service has them, for etcd and its own server) can abort the child: gRPC skips its fork
+handlers then (seen under load in ``bench/conductor/serve.py``). The signal goes when the thread that
+started the child exits; each caller starts its children from its main thread.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import signal
-import sys
+import shutil
+from collections.abc import Sequence
 
-PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+SETPRIV = shutil.which("setpriv")
 
 
-def die_with_parent() -> None:
-    """In the child: SIGTERM when the parent (the thread that forked it) exits; at once if it already has."""
-    if _libc is None:
-        return
-    parent = os.getppid()
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # it died between the fork and the call
-        os.kill(os.getpid(), signal.SIGTERM)
+def dies_with_parent(command: Sequence[str]) -> list[str]:
+    """``command``, run so that it gets SIGTERM when this process exits (unchanged without ``setpriv``)."""
+    if SETPRIV is None:
+        return list(command)
+    return [SETPRIV, "--pdeathsig", "TERM", *command]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mooncake
 
-from services.common.child_process import die_with_parent
+from services.common.child_process import dies_with_parent
 from services.common.config import StoreConfig
 from services.common.net import free_port
 
@@ -81,7 +81,7 @@ class StoreMaster:
         if self._process is not None:
             log.warning("mooncake_master exited with %s; starting it again on %s (its objects are gone)",
                         self._process.returncode, self.address)  # fmt: skip
-        self._process = subprocess.Popen(self.command(), preexec_fn=die_with_parent)  # logs to the store service's log
+        self._process = subprocess.Popen(dies_with_parent(self.command()))  # logs to the store service's log
         self.generation = new_generation(self.generation)
         log.info("mooncake_master (pid %d, generation %d) on %s", self._process.pid, self.generation, self.address)
         return True

@@ -8,6 +8,10 @@ worker process. Three things happen on import:
 * On a CPU-only torch, vLLM's processes spin on their shared-memory message queues for 2 ms instead of a
   second after each message (``CPU_BUSY_LOOP_S``): on two cores, engines spinning between their steps
   took the cores from the other engine and from our services (measured in ``bench/results/compare/vllm``).
+  And an EngineCore with work but nothing to run (a prefill's KV waiting for its decode worker's pull, a
+  decode request waiting for its KV) steps empty every ``IDLE_STEP_S`` instead of every millisecond: each
+  empty step is a round trip to the model runner, and on two cores those round trips, beside the
+  connector's busy-polled sends, starved the very decode engine whose pull they waited for.
 * A daemon thread ends this process as soon as its parent is gone. vLLM's children do not reliably die
   with a SIGKILLed parent (vllm#55510): an orphaned EngineCore keeps its bootstrap, ZMQ and transfer
   ports and over a gigabyte of memory. A worker killed with kill -9 must leave nothing behind.
@@ -23,6 +27,7 @@ import multiprocessing
 import os
 import threading
 import time
+import types
 from typing import Any
 
 import torch
@@ -46,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # no
     MultiConnector,
     MultiKVConnectorPromMetrics,
 )
+from vllm.v1.engine import core as engine_core  # noqa: E402
 
 from services.worker.kv import bind_guard  # noqa: E402
 
@@ -54,6 +60,8 @@ PARENT_POLL_S = 0.5
 # second before it sleeps on a socket. On a CPU-only host every engine of the cluster shares the cores with
 # its peers and our services: there the spin is cut to this long.
 CPU_BUSY_LOOP_S = 0.002
+# vLLM's EngineCore sleeps 1 ms between empty steps (the only sleep in its module); on a CPU-only host, this long.
+IDLE_STEP_S = 0.005
 _spin_wait = shm_broadcast.SpinCondition.wait
 
 
@@ -85,8 +93,17 @@ if HOST and not bind_guard.resolve(HOST).is_unspecified:
     mooncake_connector.MooncakeBootstrapServer = _BootstrapOnHost  # type: ignore[attr-defined]  # what it calls
     bind_guard.install(bind_guard.resolve(HOST))  # the module import above loaded Mooncake's engine
 
+
+def _idle_step_sleep(seconds: float) -> None:
+    time.sleep(max(seconds, IDLE_STEP_S))
+
+
 if CPU_ONLY:
     shm_broadcast.SpinCondition.wait = _wait_briefly  # type: ignore[method-assign]
+    _engine_time = types.ModuleType("time")  # the module's `time`, but with the longer idle step
+    _engine_time.__dict__.update(time.__dict__)
+    _engine_time.sleep = _idle_step_sleep  # type: ignore[attr-defined]
+    engine_core.time = _engine_time  # type: ignore[attr-defined]
 
 if multiprocessing.parent_process() is not None:  # one of vLLM's spawned processes, not the worker itself
     threading.Thread(target=_exit_with_parent, name="kvconductor-orphan-guard", daemon=True).start()

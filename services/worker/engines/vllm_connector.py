@@ -1,7 +1,7 @@
 """vLLM's Mooncake connectors (PD and copies; the Store beside them), loadable on a CPU-only torch, and an orphan guard.
 
 vLLM imports this module (``kv_connector_module_path``) inside its EngineCore process and its model
-worker process. Three things happen on import:
+worker process. On import:
 
 * ``torch.accelerator.current_device_index()`` raises on a CPU-only torch, and the connector's worker
   calls it once in its constructor; on such a torch it answers 0 (the CPU "device").

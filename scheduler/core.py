@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 from scheduler.booking import Booking
 from scheduler.candidates import RequestShape, Slo
 from scheduler.cost_model import LinkModels
-from scheduler.disaggregation import Queued, choose_path, stalled_by_queued_prompts, stalled_steps, stalls_past_tbt
+from scheduler.disaggregation import Queued, choose_path, stalled_by_queued_prompts, stalls_past_tbt
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
+from scheduler.stalls import stalled_steps
 
 LOCAL_RETRIES = 2  # colocated instances skipped per request for stalling their decodes
 

@@ -29,12 +29,12 @@ plan carries the other one (``Plan.alternative``) so that ``explain`` shows both
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from scheduler.candidates import DecodeCandidate, RequestShape, Resident
+from scheduler.candidates import DecodeCandidate, RequestShape
 from scheduler.policy import Plan, PolicyConfig, Rejection
+from scheduler.stalls import chunks_within, resident_tbts, tbt_with_stalls
 
 DYNAMO_MAX_LOCAL_TOKENS = 2048  # uncached tokens below which Dynamo prefills on the decode worker
 DYNAMO_MAX_LOCAL_SHARE = 0.7  # ... when they are also below this share of the prompt
@@ -46,40 +46,6 @@ DecodeShare = Callable[[str, float], float]
 def is_local(plan: Plan) -> bool:
     """Whether the plan prefills on its decode instance."""
     return plan.prefill.instance_id == plan.decode_instance
-
-
-def _tbt(step: float, gaps: float, stalls: Sequence[tuple[int, float]]) -> float:
-    """A request's TBT, the mean of its longest tenth of ``gaps`` gaps, with ``stalls``: (steps, seconds longer).
-
-    The stalled steps are its longest gaps, the longest stalls first.
-    """
-    k = max(1, math.ceil(0.1 * max(1.0, gaps)))
-    total, left = 0.0, k
-    for steps, stall in sorted(stalls, key=lambda s: -s[1]):
-        take = min(steps, left)
-        total, left = total + take * stall, left - take
-    return step + total / k
-
-
-def chunks_within(chunks: int, start: float, end: float, a: float, b: float) -> int:
-    """Of ``chunks`` steps spread evenly over [start, end], those within [a, b]."""
-    overlap = min(end, b) - max(start, a)
-    if overlap <= 0 or chunks <= 0:
-        return 0
-    return chunks if end <= start else min(chunks, math.ceil(chunks * overlap / (end - start)))
-
-
-def stalled_steps(chunks: int, start: float, end: float, r: Resident, step: float) -> int:
-    """Of a prompt's ``chunks`` steps over [start, end] on a colocated instance, those that stall resident r.
-
-    Every engine step there carries one chunk and one token of each request decoding: a request decoding when
-    the prompt starts takes a chunk with each of its next steps, as many as it has tokens left (its decode
-    stretches with them; a time overlap would miss that); one that joins mid-way takes the chunks after it.
-    """
-    if r.t_join <= start:
-        left = math.ceil((r.t_leave - start) / step) if r.t_leave > start else 0
-        return min(chunks, left)
-    return chunks_within(chunks, start, end, r.t_join, r.t_leave)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,30 +65,17 @@ class Queued:
 def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str]:
     """How many requests decoding on d prefilling locally would push past the TBT SLO, and why ("" for none).
 
-    A request's TBT is the mean of the longest 10% of its token gaps (``scheduler/sim/metrics.request_tbt``,
-    as the benchmarks' clients measure it). The prompt's compute comes in ``chunks`` engine steps, each a gap
-    longer by its share of the compute, for every request decoding there while they run (those booked to
-    start meanwhile included), on top of the stalls booked on it before (``Resident.stalls``): a long request
-    absorbs a few stalled steps, a short one does not. A request already past the SLO is not counted again.
+    The prompt's compute comes in ``chunks`` engine steps, each a gap longer by its share of the compute, for
+    every request decoding there while they run (``stalls.resident_tbts``). A request already past the SLO is
+    not counted again.
     """
     e = plan.prefill
-    start, end = e.t_queue, e.t_queue + e.t_prefill
-    batch = [r for r in d.residents if r.t_join < end and r.t_leave > 0]
-    if not batch or e.t_prefill <= 0:
-        return 0, ""
-    step = d.model.predict(len(batch), sum(r.context for r in batch))
-    chunks = max(1, chunks)
-    pushed = []
-    for r in batch:
-        tokens = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
-        mine = (stalled_steps(chunks, start, end, r, step), e.t_prefill / chunks)
-        if mine[0] and _tbt(step, tokens, r.stalls) <= max_tbt < (tbt := _tbt(step, tokens, [*r.stalls, mine])):
-            pushed.append(tbt)
+    pushed = [after for before, after in resident_tbts(d, e.t_queue, e.t_prefill, chunks) if before <= max_tbt < after]
     if not pushed:
         return 0, ""
     whom = "a request" if len(pushed) == 1 else f"{len(pushed)} requests"
-    return len(pushed), (f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {chunks} steps would push {whom} "
-                         f"decoding there to a TBT of up to {max(pushed) * 1e3:.0f} ms, over the SLO of "
+    return len(pushed), (f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {max(1, chunks)} steps would push "
+                         f"{whom} decoding there to a TBT of up to {max(pushed) * 1e3:.0f} ms, over the SLO of "
                          f"{max_tbt * 1e3:.0f} ms")  # fmt: skip
 
 
@@ -138,7 +91,7 @@ def stalled_by_queued_prompts(plan: Plan, d: DecodeCandidate, queued: Queued, re
     start = plan.prefill.ttft
     step = d.predicted_tbt(start, request.num_prompt_tokens)
     tokens = max(1, request.output_tokens)
-    tbt = _tbt(step, tokens, [queued.stalls(start, start + tokens * step)])
+    tbt = tbt_with_stalls(step, tokens, [queued.stalls(start, start + tokens * step)])
     if tbt <= max_tbt:
         return ""
     return (f"the {queued.seconds * 1e3:.0f} ms of prompts queued to prefill on {d.instance_id} would stall its "

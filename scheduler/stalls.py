@@ -1,0 +1,84 @@
+"""How a prompt prefilled on a colocated instance stalls the requests decoding there, and what that does to their TBT.
+
+Every engine step on a colocated instance carries one chunk of the prompts prefilling there and one token of
+each request decoding: a prompt of ``chunks`` chunks makes that many of a resident's gaps longer by a chunk's
+compute. A request's TBT is the mean of the longest 10% of its token gaps (``scheduler/sim/metrics.request_tbt``,
+as the benchmarks' clients measure it), so a long request absorbs a few stalled steps and a short one does not.
+Algorithm 1's colocated cost (``policy.shared_delay``), the re-plan of a colocated prompt that would push a
+resident past the TBT SLO (``disaggregation.stalls_past_tbt``) and the bookings (``core``) share this model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+from scheduler.candidates import DecodeCandidate, Resident
+
+
+def tbt_with_stalls(step: float, gaps: float, stalls: Sequence[tuple[int, float]]) -> float:
+    """A request's TBT, the mean of its longest tenth of ``gaps`` gaps, with ``stalls``: (steps, seconds longer).
+
+    The stalled steps are its longest gaps, the longest stalls first.
+    """
+    k = max(1, math.ceil(0.1 * max(1.0, gaps)))
+    total, left = 0.0, k
+    for steps, stall in sorted(stalls, key=lambda s: -s[1]):
+        take = min(steps, left)
+        total, left = total + take * stall, left - take
+    return step + total / k
+
+
+def chunks_within(chunks: int, start: float, end: float, a: float, b: float) -> int:
+    """Of ``chunks`` steps spread evenly over [start, end], those within [a, b]."""
+    overlap = min(end, b) - max(start, a)
+    if overlap <= 0 or chunks <= 0:
+        return 0
+    return chunks if end <= start else min(chunks, math.ceil(chunks * overlap / (end - start)))
+
+
+def stalled_steps(chunks: int, start: float, end: float, r: Resident, step: float) -> int:
+    """Of a prompt's ``chunks`` steps over [start, end] on a colocated instance, those that stall resident r.
+
+    A request decoding when the prompt starts takes a chunk with each of its next steps, as many as it has
+    tokens left (its decode stretches with them; a time overlap would miss that); one that joins mid-way
+    takes the chunks after it.
+    """
+    if r.t_join <= start:
+        left = math.ceil((r.t_leave - start) / step) if r.t_leave > start else 0
+        return min(chunks, left)
+    return chunks_within(chunks, start, end, r.t_join, r.t_leave)
+
+
+def resident_tbts(d: DecodeCandidate, start: float, t_prefill: float, chunks: int) -> Iterator[tuple[float, float]]:
+    """(TBT before, TBT after) of each request on d that a prompt stalls.
+
+    The prompt runs ``t_prefill`` from ``start`` in ``chunks`` steps; a request's stalls add to those booked on
+    it before (``Resident.stalls``), and requests booked to start meanwhile count.
+    """
+    end = start + t_prefill
+    batch = [r for r in d.residents if r.t_join < end and r.t_leave > 0]
+    if not batch or t_prefill <= 0:
+        return
+    step = d.model.predict(len(batch), sum(r.context for r in batch))
+    chunks = max(1, chunks)
+    stall = t_prefill / chunks
+    for r in batch:
+        if not (hit := stalled_steps(chunks, start, end, r, step)):
+            continue
+        if not r.stalls:  # most residents: nothing booked before, so its TBT is the step (tbt_with_stalls, inlined)
+            k = max(1, math.ceil(0.1 * max(1.0, (r.t_leave - r.t_join) / step)))
+            yield step, step + min(hit, k) * stall / k
+            continue
+        gaps = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
+        yield tbt_with_stalls(step, gaps, r.stalls), tbt_with_stalls(step, gaps, [*r.stalls, (hit, stall)])
+
+
+def slack_taken(before: float, after: float, max_tbt: float) -> float:
+    """The share of a request's TBT slack (the SLO minus its TBT) used by a stall from ``before`` to ``after``.
+
+    1 when it pushes the request past the SLO, 0 for a request already past it.
+    """
+    if before > max_tbt:
+        return 0.0
+    return 1.0 if after >= max_tbt else (after - before) / (max_tbt - before)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -42,3 +44,14 @@ def test_without_a_store_master_a_worker_runs_the_pd_connector_alone_and_fails_a
         transfer = engine_arguments(config, role, f"{role}-0", config.prefill, None)[0]["kv_transfer_config"]
         assert (transfer.kv_connector, transfer.kv_role) == ("CpuMooncakeConnector", kv_role)
         assert transfer.kv_load_failure_policy == "fail" and "MOONCAKE_CONFIG_PATH" not in os.environ
+
+
+def test_the_files_a_vllm_worker_leaves_in_the_temp_dir_go_when_it_exits(tmp_path):
+    code = (f"import tempfile; tempfile.tempdir = {str(tmp_path)!r}\n"
+            "from services.worker.engines.vllm_engine import worker_temp_path\n"
+            "open(worker_temp_path('prefill-0', 'mooncake-store.json'), 'w').write('{}')\n"
+            "worker_temp_path('prefill-0', 'kv-events.sock')  # never made: nothing to remove\n"
+            "import glob; print(len(glob.glob(tempfile.tempdir + '/kvconductor-prefill-0-*')))\n")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.strip() == "1" and not run.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -33,6 +33,7 @@ What differs from the built-in engine:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -598,6 +599,18 @@ class KVEventTranslator:
         self._stop.set()
 
 
+def worker_temp_path(instance_id: str, name: str) -> str:
+    """A file of this worker process in the temp dir (vLLM's IPC socket, the Store client's JSON), gone at exit."""
+    path = os.path.join(tempfile.gettempdir(), f"kvconductor-{instance_id}-{os.getpid()}-{name}")
+    atexit.register(_remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -634,7 +647,7 @@ def _store_tier(config: Config, instance_id: str, pd: dict[str, Any], store_mast
     Store is a lossy cache.
     """
     _register_children()
-    path = os.path.join(tempfile.gettempdir(), f"kvconductor-{instance_id}-{os.getpid()}-mooncake-store.json")
+    path = worker_temp_path(instance_id, "mooncake-store.json")
     settings = {
         "metadata_server": "P2PHANDSHAKE", "master_server_address": store_master,
         "protocol": config.cluster.transfer_backend, "device_name": "", "mode": "embedded",

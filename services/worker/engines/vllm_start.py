@@ -8,15 +8,13 @@ stat logger.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from services.common.config import Config, WorkerConfig
 from services.common.metrics import register_engine
 from services.worker.engines.port import KVLayout
-from services.worker.engines.vllm_engine import VllmEngine, engine_arguments
+from services.worker.engines.vllm_engine import VllmEngine, engine_arguments, worker_temp_path
 from services.worker.engines.vllm_profile import profile_vllm
 from services.worker.profiling import cache as profile_cache
 from services.worker.profiling.refiner import CostRefiner
@@ -40,7 +38,7 @@ async def build(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    events_endpoint = f"ipc://{tempfile.gettempdir()}/kvconductor-{instance_id}-{os.getpid()}-kv-events.sock"
+    events_endpoint = f"ipc://{worker_temp_path(instance_id, 'kv-events.sock')}"
     arguments, bootstrap = engine_arguments(config, role, instance_id, pool_config, events_endpoint, store_master)
     caching = arguments["kv_events_config"] is not None
     args = AsyncEngineArgs(**arguments, disable_log_stats=False, enable_logging_iteration_details=True)

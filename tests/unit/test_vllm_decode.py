@@ -1,5 +1,6 @@
-"""The vLLM adapter's decode side: a token 0 that is not the prefill's fails its attempt (INTERNAL, so the Conductor
-resumes it); a reservation commits real pool blocks and is refused when they are short."""
+"""The vLLM adapter's decode side: a request continues the prefill's token 0, or samples it again and one that is
+not the prefill's fails its attempt (INTERNAL, so the Conductor resumes it); a reservation commits real pool blocks
+and is refused when they are short."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from engine.sampling import SamplingParams
 from services.common import metrics
 from services.common.rpc import RpcError
 from services.worker.engines.port import KVLayout
-from services.worker.engines.vllm_engine import VllmEngine
+from services.worker.engines.vllm_engine import VllmEngine, continues_token_0
+
+AGAIN = list(range(1, 17))  # a prompt filling its last block: token 0's slot would start a block, sampled again
 
 
 class _Llm:
@@ -24,19 +27,24 @@ class _Llm:
         self.aborted.append(request_id)
 
 
-def _engine() -> tuple[VllmEngine, _Llm]:
+def _engine(eos_token_ids: frozenset[int] | None = frozenset({2})) -> tuple[VllmEngine, _Llm]:
     layout = KVLayout(block_size=16, num_blocks=8, bytes_per_block=1024, base_address=0, num_layers=1,
                       num_kv_heads=1, head_dim=8, dtype="float32", max_model_len=256, vocab_size=256)  # fmt: skip
     llm = _Llm()
-    return VllmEngine(llm, layout, "decode"), llm
+    return VllmEngine(llm, layout, "decode", eos_token_ids=eos_token_ids), llm
 
 
-def _reserved(engine: VllmEngine, monkeypatch, outputs: list[StepOutput]) -> list[str]:
-    """vLLM's stream of every decode request yields ``outputs``; the requests submitted to it, in order."""
+def _reserved(engine: VllmEngine, monkeypatch, outputs: list[StepOutput], what: list | None = None) -> list[str]:
+    """vLLM's stream of every decode request yields ``outputs``; the requests submitted to it, in order.
+
+    ``what``: gets (prompt, max_tokens) of each.
+    """
     submitted: list[str] = []
 
-    async def stream(request_id, prompt, sampling):
+    async def stream(request_id, prompt, params):
         submitted.append(request_id)
+        if what is not None:
+            what.append((prompt, params.max_tokens))
         finished = False
         try:
             for out in outputs:
@@ -47,7 +55,7 @@ def _reserved(engine: VllmEngine, monkeypatch, outputs: list[StepOutput]) -> lis
                 await engine.abort(request_id)
 
     monkeypatch.setattr(engine, "_stream", stream)
-    monkeypatch.setattr(engine, "_sampling", lambda params, transfer, prefill=False: None)
+    monkeypatch.setattr(engine, "_sampling", lambda params, transfer, prefill=False: params)
     return submitted
 
 
@@ -58,21 +66,47 @@ async def _reserve(engine: VllmEngine, request_id: str, prompt_tokens: int, max_
                                 RemotePrefill("p0", "127.0.0.1:1"))  # fmt: skip
 
 
-async def _decode(engine: VllmEngine, request_id: str, first_token_id: int) -> list[int]:
+async def _decode(engine: VllmEngine, request_id: str, first_token_id: int, prompt: list[int] = AGAIN) -> list[int]:
     tokens = []
-    async for out in engine.decode(request_id, [1, 2, 3], first_token_id, SamplingParams(max_tokens=3)):
+    async for out in engine.decode(request_id, prompt, first_token_id, SamplingParams(max_tokens=3)):
         tokens += out.new_token_ids
     return tokens
 
 
-async def test_the_same_token_0_is_dropped_and_the_rest_streams(monkeypatch):
+async def test_the_request_continues_token_0_where_its_slot_lies_inside_the_last_prompt_block(monkeypatch):
     engine, _ = _engine()
-    outputs = [StepOutput("r", [7, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)]
-    submitted = _reserved(engine, monkeypatch, outputs)
+    what: list = []
+    outputs = [StepOutput("r", [8], False, None, 0), StepOutput("r", [9], True, "length", 0)]
+    submitted = _reserved(engine, monkeypatch, outputs, what)
     assert await _reserve(engine, "r", 3, 3) == ([], 7)
     assert submitted == []  # vLLM gets the request when its prefill is done, not while it waits for it
+    assert await _decode(engine, "r", 7, [1, 2, 3]) == [8, 9]  # token 1 is vLLM's first: nothing dropped
+    assert what == [([1, 2, 3, 7], 2)] and engine.num_free_blocks == 8  # its blocks given back as it ended
+
+
+async def test_the_same_token_0_sampled_again_is_dropped_and_the_rest_streams(monkeypatch):
+    engine, _ = _engine()
+    outputs = [StepOutput("r", [7, 8], False, None, 0), StepOutput("r", [9], True, "length", 0)]
+    what: list = []
+    submitted = _reserved(engine, monkeypatch, outputs, what)
+    assert await _reserve(engine, "r", 16, 3) == ([], 6)
     assert await _decode(engine, "r", 7) == [8, 9]
-    assert submitted == ["r"] and engine.num_free_blocks == 8  # its blocks given back as it ended
+    assert submitted == ["r"] and what == [(AGAIN, 3)] and engine.num_free_blocks == 8
+
+
+def test_token_0_is_continued_only_where_the_pull_and_the_stops_allow():
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    eos = frozenset({2})
+    assert continues_token_0(17, 5, greedy, 16, eos) and continues_token_0(30, 5, greedy, 16, eos)
+    assert not continues_token_0(32, 5, greedy, 16, eos)  # its slot would start a block the prefill lacks
+    assert not continues_token_0(31, 5, greedy, 16, eos)  # its slot would fill the block vLLM caches at once
+    assert not continues_token_0(17, 2, greedy, 16, eos)  # end of sequence: the request ends at token 0
+    assert continues_token_0(17, 2, SamplingParams(max_tokens=8, ignore_eos=True), 16, eos)
+    assert not continues_token_0(17, 5, greedy, 16, None)  # the model's end tokens unknown
+    assert not continues_token_0(17, 5, SamplingParams(max_tokens=8, stop_token_ids=(5,)), 16, eos)
+    assert not continues_token_0(17, 5, SamplingParams(max_tokens=1), 16, eos)
+    assert not continues_token_0(17, 5, SamplingParams(max_tokens=8, seed=3), 16, eos)  # draws token 0 first
+    assert continues_token_0(17, 5, SamplingParams(max_tokens=8, seed=3, temperature=0.0), 16, eos)
 
 
 async def test_another_token_0_fails_the_attempt_counts_it_and_aborts_the_request(monkeypatch):

@@ -9,8 +9,13 @@ What differs from the built-in engine:
   (``do_remote_decode``), and vLLM holds its KV for the decode request, which ``decode`` submits after it
   (``do_remote_prefill``, naming the prefill worker's engine id and bootstrap server), as vLLM's own PD
   proxies do; the prefill worker's connector pushes the blocks over the Mooncake Transfer Engine. The decode
-  request samples token 0 again (same logits, same seed: the same token) and ``decode`` drops it; a
-  different token fails the attempt (``diverged``), and the request resumes.
+  request is the prompt followed by the prefill's token 0 (``continues_token_0``): vLLM computes that
+  token's KV and samples token 1 in its first step, as the colocated engine does. Where it cannot (the token's
+  slot would start or fill a block, which the pull would leave unwritten or cache unwritten; token 0 may end
+  the request; a seeded sampler must draw token 0 again to draw the same token 1), the decode request is
+  the prompt alone, vLLM computes its last token again and samples token 0 once more (same logits, same seed:
+  the same token), ``decode`` drops it, and a different token fails the attempt (``diverged``): the request
+  resumes.
 * **KV copies between prefill workers** go through the same connector (prefill workers are ``kv_both``): the
   holder runs the prefix as a request of its own (``export_prefix``: cached, one block computed, at
   ``EXPORT_PRIORITY`` ahead of the prompts waiting there, so it waits only for the prefill running) whose
@@ -113,8 +118,10 @@ class VllmEngine:
         role: str,
         refiner: CostRefiner | None = None,
         count_sent: Callable[[int, int], None] | None = None,
+        eos_token_ids: frozenset[int] | None = None,
     ) -> None:
         self.llm = llm
+        self.eos_token_ids = eos_token_ids  # the model's end-of-sequence tokens (None: unknown)
         self.layout = layout
         self.role = role
         self.refiner = refiner
@@ -124,7 +131,7 @@ class VllmEngine:
         self.events = KVEventTranslator(layout.block_size)
         self.stats = StepStats(layout.num_blocks)
         self.contexts: dict[str, int] = {}  # running request -> tokens with KV (for decode step samples)
-        self._reserved: dict[str, Any] = {}  # decode request -> vLLM's sampling (with the connector's parameters)
+        self._reserved: dict[str, dict[str, Any]] = {}  # decode request -> its connector's parameters
         self._committed: dict[str, int] = {}  # reserved decode request -> blocks of its prompt and max_tokens
         self._committed_blocks = 0  # their sum (read from the stat logger's thread too)
         self._died: asyncio.Future[BaseException] | None = None
@@ -273,7 +280,7 @@ class VllmEngine:
             "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": remote.engine_id,
             "remote_bootstrap_addr": remote.bootstrap_addr, "transfer_id": request_id,
         }  # fmt: skip
-        self._reserved[request_id] = self._sampling(params, transfer)
+        self._reserved[request_id] = transfer
         return [], self.num_free_blocks
 
     @property
@@ -289,17 +296,20 @@ class VllmEngine:
     ) -> AsyncGenerator[StepOutput, None]:
         """Submit the reserved request (its connector pulls the KV from the prefill worker); outputs after token 0.
 
-        The prefill worker sampled token 0; vLLM samples it again and it must be the same.
+        The prefill worker sampled token 0: the request continues it, or samples it again and it must be the same.
         """
         if request_id not in self._reserved:
             raise ValueError(f"no decode request {request_id!r} reserved")
-        sampling = self._reserved[request_id]
-        first = True
+        transfer = self._reserved[request_id]
+        again = not continues_token_0(len(prompt), first_token_id, params, self.layout.block_size, self.eos_token_ids)
+        if not again:
+            prompt, params = [*prompt, first_token_id], dataclasses.replace(params, max_tokens=params.max_tokens - 1)
+        sampling = self._sampling(params, transfer)
         try:
             async with contextlib.aclosing(self._stream(request_id, prompt, sampling)) as outputs:
                 async for out in outputs:
-                    if first and out.new_token_ids:
-                        first = False
+                    if again and out.new_token_ids:  # token 0 sampled again: check it and drop it
+                        again = False
                         if out.new_token_ids[0] != first_token_id:
                             raise diverged(request_id, out.new_token_ids[0], first_token_id)
                         out = dataclasses.replace(out, new_token_ids=out.new_token_ids[1:], logprobs=out.logprobs[1:])
@@ -424,6 +434,28 @@ class VllmEngine:
         elif details.num_ctx_requests == 0 and details.num_generation_requests > 0 and self.contexts:
             mean = sum(self.contexts.values()) // len(self.contexts)
             self.refiner.observe([(1, mean)] * details.num_generation_requests, seconds)
+
+
+def continues_token_0(
+    num_prompt_tokens: int, first_token_id: int, params: SamplingParams, block_size: int,
+    eos_token_ids: frozenset[int] | None,
+) -> bool:  # fmt: skip
+    """Whether a decode request can be the prompt followed by the prefill's token 0, ``max_tokens`` one fewer.
+
+    The connector pulls the prefill's blocks, which hold the prompt's KV; token 0's slot in them is unwritten,
+    and vLLM computes it again (it always computes the last token of a request whose KV it loaded). So the
+    slot must lie inside the prompt's last block: not the first of a new block (the decode would need one
+    block more than the prefill has: vLLM fails the pull) nor the last of one (vLLM would cache the block
+    before computing the slot). And token 0 must not end the request (``max_tokens`` 1, a stop token, an
+    end-of-sequence token unless ``ignore_eos``: vLLM checks none of them on a prompt token), nor a seeded
+    sampler count on drawing token 0 before token 1.
+    """
+    offset = num_prompt_tokens % block_size
+    if not 0 < offset < block_size - 1 or params.max_tokens <= 1 or first_token_id in params.stop_token_ids:
+        return False
+    if params.seed is not None and params.temperature > 0:
+        return False
+    return params.ignore_eos or (eos_token_ids is not None and first_token_id not in eos_token_ids)
 
 
 def _finish_reason(reason: str | None) -> str | None:

@@ -60,7 +60,7 @@ async def build(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=config.model.dtype,
         max_model_len=model.max_model_len, vocab_size=hf.vocab_size,
     )  # fmt: skip
-    engine = VllmEngine(llm, layout, role, count_sent=count_sent)
+    engine = VllmEngine(llm, layout, role, count_sent=count_sent, eos_token_ids=_eos_token_ids(llm))
     holder["engine"] = engine
     if caching:
         engine.events.subscribe(events_endpoint)
@@ -70,6 +70,20 @@ async def build(
     engine.refiner = refiner
     register_engine(engine.snapshot)
     return engine, refiner, bootstrap
+
+
+def _eos_token_ids(llm: Any) -> frozenset[int] | None:
+    """The model's end-of-sequence tokens, as vLLM adds them to a request's stops (None: not found)."""
+    try:
+        processor = llm.input_processor
+        eos = processor.renderer.get_eos_token_id()
+        more = processor.generation_config_fields.get("eos_token_id")
+    except AttributeError:  # another vLLM's internals: decode requests sample token 0 again
+        log.warning("vLLM's end-of-sequence tokens not found: every decode request samples token 0 again")
+        return None
+    ids = {eos} if eos is not None else set()
+    ids |= {more} if isinstance(more, int) else set(more or ())
+    return frozenset(ids)
 
 
 def _stat_logger_factory(holder: dict[str, VllmEngine]) -> Any:

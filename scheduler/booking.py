@@ -123,16 +123,15 @@ class Bookings:
 
     def t_queue(self, now: float) -> float:
         """Predicted seconds of prefill work ahead of a request arriving now."""
-        if not self._pending:  # nothing queued (then _pending_s is 0)
-            return max(0.0, self._busy_until - now)
-        behind = self._pending_s - next(iter(self._pending.values()), 0.0)  # waiting behind the running one
-        return max(0.0, self._busy_until - now, behind)
+        return max(0.0, self._busy_until - now, self._behind())
 
     def t_running(self, now: float) -> float:
         """Predicted seconds left of the prefill running now (the oldest not done), 0 when none."""
-        if not self._pending:
-            return max(0.0, self._busy_until - now)
-        return max(0.0, self._busy_until - now - (self._pending_s - next(iter(self._pending.values()))))
+        return max(0.0, self._busy_until - now - self._behind())
+
+    def _behind(self) -> float:
+        """Predicted seconds of the prefills waiting behind the running one (0 with nothing queued)."""
+        return self._pending_s - next(iter(self._pending.values()), 0.0)
 
     def queued_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Leading blocks of a prompt (its chained hashes) that a prefill booked here and not done computes."""

@@ -41,7 +41,6 @@ from scheduler.candidates import (
 )
 from scheduler.cost_model import LinkModels
 from scheduler.rules import RULES, PrefillRule
-from scheduler.stalls import resident_tbts, slack_taken
 
 POLICIES = tuple(RULES)
 _instance_id = attrgetter("instance_id")
@@ -182,7 +181,7 @@ class ConductorPolicy:
         if colocated:
             on = {d.instance_id: d for d in decodes}
             estimates = tuple(
-                e.with_shared(shared_delay(e, p, on[e.instance_id], request, slo.max_tbt))
+                e.with_shared(shared_delay(e, p, on[e.instance_id], request))
                 for e, p in zip(estimates, prefills, strict=True)
             )
         chosen = self.rule.choose(estimates, prefills, request)
@@ -289,22 +288,19 @@ def select_decode(decodes: Sequence[DecodeCandidate], request: RequestShape, at:
     return best
 
 
-def shared_delay(e: PrefillEstimate, p: PrefillCandidate, d: DecodeCandidate, request: RequestShape,
-                 max_tbt: float) -> float:  # fmt: skip
-    """A request's cost on a colocated instance beyond its TTFT: the delay to others plus its own decode time.
+def shared_delay(e: PrefillEstimate, p: PrefillCandidate, d: DecodeCandidate, request: RequestShape) -> float:
+    """A request's cost on a colocated instance beyond its TTFT: its own decode time plus the delay to others.
 
-    Each request decoding there while the prompt runs waits for the prompt's compute (its chunks share the
-    steps), and that wait counts by the share of the request's TBT slack it takes (``stalls.slack_taken``): in
-    full for a request it would push past the TBT SLO, little for one far inside it, nothing for one already
-    past it. Then the request's ``decode_share``. Summed, the choice minimises the latency added to everyone on
-    the instance, weighed by what it does to their SLOs: a prefix holder whose stalls would break its decodes'
-    TBT loses to an idle instance, one whose decodes absorb them keeps the prompt its prefix saves compute on.
+    Each request decoding there when the prompt runs waits for the prompt's compute (its chunks share the
+    steps); then the request's ``decode_share``. Summed, the choice minimises the latency added to everyone
+    on the instance, so a prefix holder busy decoding loses to an idle instance once the requests it would
+    slow cost more than the prefix saves. (Weighing each resident's stall by the share of its TBT slack it takes
+    was tried: it moved no capacity on the tool-agent workload, and under a lax TBT SLO it ignores stalls that
+    cost closed-loop clients their throughput.)
     """
-    new = request.num_prompt_tokens - e.prefix_len
-    chunks = math.ceil(new / p.step_tokens) if p.step_tokens > 0 else 1
-    stalled = resident_tbts(d, e.t_queue, e.t_prefill, chunks)
-    taken = sum(slack_taken(before, after, max_tbt) for before, after in stalled)
-    delay = taken * p.model.predict(new, e.prefix_len) if taken else 0.0
+    n = request.num_prompt_tokens
+    stalled = sum(1 for r in d.residents if r.t_join <= e.t_queue < r.t_leave)
+    delay = stalled * p.model.predict(n - e.prefix_len, e.prefix_len) if stalled else 0.0
     return delay + decode_share(d, request, e.ttft)
 
 

@@ -6,8 +6,8 @@ decode choice and SLO admission around it are the policy's, the same for every r
 plans KV copies (``copies``). Selectable live and in the simulator by ``[scheduler] policy``.
 
 - ``kvcache_centric``: least predicted TTFT (Mooncake FAST'25, Algorithm 1); on colocated instances the
-  cost adds the request's decode time there and the delay it imposes on the requests decoding there, weighed
-  by the share of their TBT slack it takes (``policy.shared_delay``).
+  cost adds the request's decode time there and the delay it imposes on the requests decoding there
+  (``policy.shared_delay``).
 - ``round_robin``, ``random``, ``least_loaded`` (least T_queue), ``cache_aware`` (longest prefix, then T_queue).
 - ``dynamo`` (NVIDIA Dynamo's KV router): ``cost = prefill_load_scale * max(prefill_blocks - overlap, 0)``,
   lowest wins, ties at random. ``prefill_blocks`` is the request's prompt blocks plus the blocks still to

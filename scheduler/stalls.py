@@ -4,8 +4,8 @@ Every engine step on a colocated instance carries one chunk of the prompts prefi
 each request decoding: a prompt of ``chunks`` chunks makes that many of a resident's gaps longer by a chunk's
 compute. A request's TBT is the mean of the longest 10% of its token gaps (``scheduler/sim/metrics.request_tbt``,
 as the benchmarks' clients measure it), so a long request absorbs a few stalled steps and a short one does not.
-Algorithm 1's colocated cost (``policy.shared_delay``), the re-plan of a colocated prompt that would push a
-resident past the TBT SLO (``disaggregation.stalls_past_tbt``) and the bookings (``core``) share this model.
+The re-plan of a colocated prompt that would push a resident past the TBT SLO (``disaggregation.stalls_past_tbt``),
+the check of a remote plan's decode instance (``stalled_by_queued_prompts``) and the bookings (``core``) share it.
 """
 
 from __future__ import annotations
@@ -64,21 +64,6 @@ def resident_tbts(d: DecodeCandidate, start: float, t_prefill: float, chunks: in
     chunks = max(1, chunks)
     stall = t_prefill / chunks
     for r in batch:
-        if not (hit := stalled_steps(chunks, start, end, r, step)):
-            continue
-        if not r.stalls:  # most residents: nothing booked before, so its TBT is the step (tbt_with_stalls, inlined)
-            k = max(1, math.ceil(0.1 * max(1.0, (r.t_leave - r.t_join) / step)))
-            yield step, step + min(hit, k) * stall / k
-            continue
-        gaps = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
-        yield tbt_with_stalls(step, gaps, r.stalls), tbt_with_stalls(step, gaps, [*r.stalls, (hit, stall)])
-
-
-def slack_taken(before: float, after: float, max_tbt: float) -> float:
-    """The share of a request's TBT slack (the SLO minus its TBT) used by a stall from ``before`` to ``after``.
-
-    1 when it pushes the request past the SLO, 0 for a request already past it.
-    """
-    if before > max_tbt:
-        return 0.0
-    return 1.0 if after >= max_tbt else (after - before) / (max_tbt - before)
+        if hit := stalled_steps(chunks, start, end, r, step):
+            gaps = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
+            yield tbt_with_stalls(step, gaps, r.stalls), tbt_with_stalls(step, gaps, [*r.stalls, (hit, stall)])

@@ -25,7 +25,7 @@ from scheduler.disaggregation import Queued, choose_path, stalled_by_queued_prom
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
-from scheduler.stalls import stalled_steps
+from scheduler.stalls import prompt_stalls
 
 LOCAL_RETRIES = 2  # colocated instances skipped per request for stalling their decodes
 
@@ -167,16 +167,13 @@ class ConductorCore:
         n, e, expected_tokens = shape.num_prompt_tokens, plan.prefill, shape.output_tokens
         decode = Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt)
         if d.role == "colocated":
-            if p is d and e.t_prefill > 0:
+            if p is d:
+                bookings = list(d.decoding.items.values())
+                residents = [b.resident(now) for b in bookings]
                 chunks = _chunks(n - e.prefix_len, d.chunk_tokens)
-                start, end, stall = e.t_queue, e.t_queue + e.t_prefill, e.t_prefill / chunks
-                residents = {rid: b.resident(now) for rid, b in d.decoding.items.items()}
-                batch = [r for r in residents.values() if r.t_join <= start < r.t_leave]
-                step = d.decode_model.predict(max(1, len(batch)), sum(r.context for r in batch))
-                for rid, booking in d.decoding.items.items():
-                    if hit := stalled_steps(chunks, start, end, residents[rid], step):
-                        booking.stalls = (*booking.stalls, (hit, stall))
-                        booking.expected_decode_s += hit * stall  # it decodes that much longer
+                for i, hit, stall, _ in prompt_stalls(residents, d.decode_model, e.t_queue, e.t_prefill, chunks):
+                    bookings[i].stalls = (*bookings[i].stalls, (hit, stall))
+                    bookings[i].expected_decode_s += hit * stall  # it decodes that much longer
             elif (queued := _queued(d, now)).chunks:
                 hit, stall = queued.stalls(e.ttft, e.ttft + decode.expected_decode_s)
                 decode.stalls = ((hit, stall),)

@@ -294,9 +294,7 @@ def shared_delay(e: PrefillEstimate, p: PrefillCandidate, d: DecodeCandidate, re
     Each request decoding there when the prompt runs waits for the prompt's compute (its chunks share the
     steps); then the request's ``decode_share``. Summed, the choice minimises the latency added to everyone
     on the instance, so a prefix holder busy decoding loses to an idle instance once the requests it would
-    slow cost more than the prefix saves. (Weighing each resident's stall by the share of its TBT slack it takes
-    was tried: it moved no capacity on the tool-agent workload, and under a lax TBT SLO it ignores stalls that
-    cost closed-loop clients their throughput.)
+    slow cost more than the prefix saves (variants measured and not kept: docs/design.md).
     """
     n = request.num_prompt_tokens
     stalled = sum(1 for r in d.residents if r.t_join <= e.t_queue < r.t_leave)

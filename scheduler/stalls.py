@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from scheduler.candidates import DecodeCandidate, Resident
+from scheduler.cost_model import DecodeModel
 
 
 def tbt_with_stalls(step: float, gaps: float, stalls: Sequence[tuple[int, float]]) -> float:
@@ -50,20 +51,32 @@ def stalled_steps(chunks: int, start: float, end: float, r: Resident, step: floa
     return chunks_within(chunks, start, end, r.t_join, r.t_leave)
 
 
-def resident_tbts(d: DecodeCandidate, start: float, t_prefill: float, chunks: int) -> Iterator[tuple[float, float]]:
-    """(TBT before, TBT after) of each request on d that a prompt stalls.
+def prompt_stalls(
+    residents: Sequence[Resident], model: DecodeModel, start: float, t_prefill: float, chunks: int
+) -> Iterator[tuple[int, int, float, float]]:
+    """(index in ``residents``, steps stalled, seconds each, decode step) of each resident a prompt stalls.
 
-    The prompt runs ``t_prefill`` from ``start`` in ``chunks`` steps; a request's stalls add to those booked on
-    it before (``Resident.stalls``), and requests booked to start meanwhile count.
+    The prompt runs ``t_prefill`` from ``start`` in ``chunks`` steps (at least one); the decode step is that of
+    the batch of requests decoding meanwhile, those booked to start meanwhile included.
     """
     end = start + t_prefill
-    batch = [r for r in d.residents if r.t_join < end and r.t_leave > 0]
+    batch = [i for i, r in enumerate(residents) if r.t_join < end and r.t_leave > 0]
     if not batch or t_prefill <= 0:
         return
-    step = d.model.predict(len(batch), sum(r.context for r in batch))
+    step = model.predict(len(batch), sum(residents[i].context for i in batch))
     chunks = max(1, chunks)
     stall = t_prefill / chunks
-    for r in batch:
-        if hit := stalled_steps(chunks, start, end, r, step):
-            gaps = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
-            yield tbt_with_stalls(step, gaps, r.stalls), tbt_with_stalls(step, gaps, [*r.stalls, (hit, stall)])
+    for i in batch:
+        if hit := stalled_steps(chunks, start, end, residents[i], step):
+            yield i, hit, stall, step
+
+
+def resident_tbts(d: DecodeCandidate, start: float, t_prefill: float, chunks: int) -> Iterator[tuple[float, float]]:
+    """(TBT before, TBT after) of each request on d that a prompt stalls (``prompt_stalls``).
+
+    A request's stalls add to those booked on it before (``Resident.stalls``).
+    """
+    for i, hit, stall, step in prompt_stalls(d.residents, d.model, start, t_prefill, chunks):
+        r = d.residents[i]
+        gaps = (r.t_leave - r.t_join - sum(n * s for n, s in r.stalls)) / step  # its stalls stretch its decode
+        yield tbt_with_stalls(step, gaps, r.stalls), tbt_with_stalls(step, gaps, [*r.stalls, (hit, stall)])

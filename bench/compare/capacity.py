@@ -138,6 +138,31 @@ def markdown(contenders: dict[str, dict[str, Any]], pd: set[str]) -> str:
     return "".join(lines)
 
 
+def knee_rows(contenders: dict[str, dict[str, Any]]) -> list[str]:
+    """Each contender at its first bisection's first failing rate: why it failed there (``knee_markdown``'s rows)."""
+    rows = []
+    for r in contenders.values():
+        rate = r["capacity"][0]["failing"] if r.get("capacity") else None
+        if rate is None:  # not bisected, or it never failed
+            continue
+        s = r["levels"][f"rate={rate:g}"]["summary"]
+        probes = [v["summary"]["prefix_cache_hit_rate"] for v in r["levels"].values()]
+        ttft, tbt = s["ttft_ms"]["p90"] / 1e3, s["tbt_ms"]["p90"]
+        rows.append(f"| {r['label']} | {rate:g} | {s['slo_attainment']:.1%} | {ttft:.1f} | {tbt:.0f} | "
+                    f"{s['failed']} | {min(probes):.1%}-{max(probes):.1%} |")  # fmt: skip
+    return rows
+
+
+def knee_markdown(contenders: dict[str, dict[str, Any]]) -> str:
+    """The table of ``knee_rows`` (empty when no contender failed a probe)."""
+    rows = knee_rows(contenders)
+    if not rows:
+        return ""
+    return ("At each contender's first failing rate (bisection 1; not served: refused or failed):\n\n"
+            "| front end | first failing rate req/s | within SLO | TTFT p90 s | TBT p90 ms | not served | "
+            "hit rate over its probes |\n|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")  # fmt: skip
+
+
 def _bound(spec: str, capped: set[str]) -> str:
     """ "at least " for a contender one of whose bisections found no failing rate, so its mean is a lower bound."""
     return "at least " if spec in capped else ""

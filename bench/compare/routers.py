@@ -430,6 +430,8 @@ def markdown(record: dict[str, Any], title: str, swept: Sequence[Level]) -> str:
     pd = {spec for spec in record["contenders"] if parse_contender(spec).deployment not in ("colocated", "dynamo")}
     if bisected := capacity.markdown(record["contenders"], pd):
         lines.append("\n" + bisected)
+    if knees := capacity.knee_markdown(record["contenders"]):
+        lines.append("\n" + knees)
     for r in record["contenders"].values():
         for key in ("skipped", "failed", "note"):
             if key in r:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.compare.capacity import knee_rows
 from bench.freshness import committed_results, entry_module, examine, rerun_command
 from bench.imports import reached_files
 
@@ -570,19 +571,6 @@ def _ratios(markdown):
     return found["aggregated"], found["PD"]
 
 
-def knee_rows(record):
-    """Each contender at its first bisection's first failing rate, as the README's tables quote them."""
-    rows = []
-    for contender in record["contenders"].values():
-        rate = contender["capacity"][0]["failing"]
-        s = contender["levels"][f"rate={rate:g}"]["summary"]
-        probes = [v["summary"]["prefix_cache_hit_rate"] for v in contender["levels"].values()]
-        ttft, tbt = s["ttft_ms"]["p90"] / 1e3, s["tbt_ms"]["p90"]
-        rows.append(f"| {contender['label']} | {rate:g} | {s['slo_attainment']:.1%} | {ttft:.1f} | {tbt:.0f} | "
-                    f"{s['failed']} | {min(probes):.1%}-{max(probes):.1%} |")  # fmt: skip
-    return rows
-
-
 def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_says():
     folder = SIM.parent / "scale"
     readme = (folder / "README.md").read_text()
@@ -595,7 +583,7 @@ def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_
         assert f"code {record['code']})" in readme and " ".join(record["command"].split()[4:12]) in flat
         markdown = (folder / "like-for-like" / name / "routers.md").read_text()
         bisected = markdown[markdown.index("| front end | bisection 1") :].strip().splitlines()
-        missing = [line for line in [*bisected, *knee_rows(record)] if line and line not in readme]
+        missing = [line for line in [*bisected, *knee_rows(record["contenders"])] if line and line not in readme]
         assert not missing, f"README.md does not quote {name}: {missing}"
         aggregated, pd = _ratios(markdown)
         assert f"| {workload} | {aggregated} | {pd} |" in readme

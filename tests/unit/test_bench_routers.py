@@ -181,6 +181,23 @@ def test_bisected_capacities_are_compared_within_each_kind_of_deployment():
     assert "dynamo PD kv: at least 1.37x (at least 16.79 vs 12.25 req/s" in md
 
 
+def test_each_contender_is_shown_at_its_first_failing_rate():
+    from bench.compare.capacity import knee_markdown
+
+    def level(attainment, hit):
+        return {"summary": {"slo_attainment": attainment, "ttft_ms": {"p90": 9500.0}, "tbt_ms": {"p90": 400.4},
+                            "failed": 17, "prefix_cache_hit_rate": hit}}  # fmt: skip
+
+    failed = {"label": "conductor", "capacity": [{"capacity": 11.49, "failing": 12.0, "at_least": False}],
+              "levels": {"rate=11.49": level(0.93, 0.715), "rate=12": level(0.892, 0.666)}}  # fmt: skip
+    never = {"label": "dynamo kv", "capacity": [{"capacity": 24.0, "failing": None, "at_least": True}],
+             "levels": {"rate=24": level(0.95, 0.6)}}  # fmt: skip
+    md = knee_markdown({"conductor": failed, "dynamo:kv": never})
+    assert "| conductor | 12 | 89.2% | 9.5 | 400 | 17 | 66.6%-71.5% |" in md
+    assert "dynamo kv" not in md  # it never failed a probe: no row
+    assert knee_markdown({"dynamo:kv": never}) == ""
+
+
 def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
     from contextlib import contextmanager
 

@@ -94,7 +94,7 @@ class ConductorCore:
                        for m in pool]  # fmt: skip
             decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
             plan = self.policy.schedule(prefill, decode, shape, slo, None, colocated=True)
-            if not isinstance(plan, Plan) or not slo.reject:
+            if not isinstance(plan, Plan) or not slo.reject or tolerate is None:
                 break
             there = next(m for m in pool if m.instance_id == plan.decode_instance)
             chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)

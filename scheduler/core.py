@@ -71,22 +71,21 @@ class ConductorCore:
         pool: Sequence[InstanceState],
         slo: Slo,
         block_hashes: Sequence[Hashable],
-        tolerate: int | None = None,
+        avoid_stalls: bool = False,
     ) -> Plan | Rejection:
-        """Algorithm 1 over colocated instances, avoiding one whose prompt's chunks would stall its decodes.
+        """Algorithm 1 over colocated instances (both roles: their decode batches are computed once each).
 
-        The instances' decode batches are computed once each (both roles). With SLO admission, a plan whose
-        prompt would push requests decoding there past the TBT SLO (``stalls_past_tbt``) is re-planned
-        without that instance, ``LOCAL_RETRIES`` times at most; then the plan that pushes the fewest is
-        taken, or refused if ``tolerate`` is set and they are more. The conditional path (0) refuses the local
-        plan for any: its remote plan pushes no one. The colocated path (None) has no other plan, and the
-        pushes steer its placement without refusing the request: refusing is a sure miss, and in the
-        like-for-like runs (bench/results/scale) refusals on predicted pushes cost more requests than the
-        stalls they were to prevent.
+        The cost of each instance already counts the stall its prompt's chunks impose on the requests decoding
+        there (``policy.shared_delay``). ``avoid_stalls`` (the conditional path, whose remote plan stalls no one):
+        with SLO admission, a plan whose prompt would push requests decoding there past the TBT SLO
+        (``stalls_past_tbt``) is re-planned without that instance, ``LOCAL_RETRIES`` times at most, and refused
+        when every plan tried pushes some. The pure colocated path takes Algorithm 1's plan as it is: steered
+        away from the instances such a check names, it recomputed prefixes their holders had, on a cluster whose
+        capacity is its compute, and served fewer requests within the SLOs (docs/design.md).
         """
         hashes, bs = block_hashes, shape.block_size
         skipped: list[tuple[str, str]] = []  # (instance, why)
-        fewest: tuple[int, Plan, str] | None = None  # the plan pushing the fewest past the SLO, and why
+        fewest: tuple[int, Plan] | None = None  # the plan pushing the fewest past the SLO
         pool = list(pool)
         for _ in range(LOCAL_RETRIES + 1):
             batches = {m.instance_id: m.residents(now) for m in pool}
@@ -94,30 +93,24 @@ class ConductorCore:
                        for m in pool]  # fmt: skip
             decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
             plan = self.policy.schedule(prefill, decode, shape, slo, None, colocated=True)
-            if not isinstance(plan, Plan) or not slo.reject or tolerate is None:
+            if not isinstance(plan, Plan) or not (avoid_stalls and slo.reject):
                 break
             there = next(m for m in pool if m.instance_id == plan.decode_instance)
             chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)
             pushed, why = stalls_past_tbt(plan, decode[pool.index(there)], slo.max_tbt, chunks)
             if not pushed:
-                fewest = (0, plan, "")
-                break
+                notes = "".join(f"; not {i}: {w}" for i, w in skipped)
+                return replace(plan, reason=plan.reason + notes) if notes else plan
             skipped.append((there.instance_id, why))
             if fewest is None or pushed < fewest[0]:
-                fewest = (pushed, plan, why)
+                fewest = (pushed, plan)
             pool.remove(there)
             if not pool:
                 break
-        if fewest is None:  # no plan to weigh: the policy's outcome as it is
+        if fewest is None:  # nothing weighed: the policy's outcome as it is
             return plan
-        pushed, chosen, _ = fewest
-        if tolerate is not None and pushed > tolerate:
-            reason = skipped[0][1] if len(skipped) == 1 else "; ".join(f"on {i}: {w}" for i, w in skipped)
-            return Rejection(reason, chosen, "tbt_slo")
-        notes = [f"; not {i}: {w}" for i, w in skipped if i != chosen.decode_instance]
-        if pushed:
-            notes.append("; taken all the same: no instance avoids it")
-        return replace(chosen, reason=chosen.reason + "".join(notes)) if notes else chosen
+        reason = skipped[0][1] if len(skipped) == 1 else "; ".join(f"on {i}: {w}" for i, w in skipped)
+        return Rejection(reason, fewest[1], "tbt_slo")
 
     def decide_conditional(
         self,
@@ -134,7 +127,7 @@ class ConductorCore:
 
         The two plans of Algorithm 1, compared by the ``disaggregation`` rule (``scheduler/disaggregation.py``).
         """
-        local = self._decide_local(now, shape, prefix_lens, mixed, slo, block_hashes, tolerate=0)
+        local = self._decide_local(now, shape, prefix_lens, mixed, slo, block_hashes, avoid_stalls=True)
         on = {m.instance_id: m for m in mixed}
         if not prefills:
             return choose_path(self.policy.config, None, local, shape, _no_share)

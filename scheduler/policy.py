@@ -71,11 +71,6 @@ class PolicyConfig:
     # (Dynamo's thresholds), "length" (locally below local_prefill_max_tokens).
     disaggregation: str = "cost"
     local_prefill_max_tokens: int = 2048
-    # Colocated instances: each second of prefill compute a plan needs weighs this much more in its cost, for
-    # the prompts that will queue behind it there (0: the request's own TTFT and shared time only). Under
-    # load, recomputing a prefix that a busy instance holds saves one request a little TTFT and costs every
-    # prompt after it on the instance that compute.
-    compute_weight: float = 0.0
 
     def policy_config(self, **changes: Any) -> PolicyConfig:
         """These knobs alone (a plain ``PolicyConfig``), with ``changes``."""
@@ -186,7 +181,7 @@ class ConductorPolicy:
         if colocated:
             on = {d.instance_id: d for d in decodes}
             estimates = tuple(
-                e.with_shared(shared_delay(e, p, on[e.instance_id], request) + self.config.compute_weight * e.t_prefill)
+                e.with_shared(shared_delay(e, p, on[e.instance_id], request))
                 for e, p in zip(estimates, prefills, strict=True)
             )
         chosen = self.rule.choose(estimates, prefills, request)

@@ -315,7 +315,6 @@ class SchedulerConfig(PolicyConfig):
             f"must be one of {', '.join(DISAGGREGATION)}",
         )
         _check(self.local_prefill_max_tokens >= 1, "[scheduler] local_prefill_max_tokens", "must be at least 1")
-        _check(0 <= self.compute_weight <= 100, "[scheduler] compute_weight", "must be in 0..100")
 
 
 @dataclass

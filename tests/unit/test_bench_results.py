@@ -564,11 +564,16 @@ LIKE_FOR_LIKE = {"trace-linear": "the conversation trace", "shared-prefix-linear
 
 
 def _ratios(markdown):
-    """The two comparison lines' ratios of a ``--capacity`` routers.md: (aggregated, PD), e.g. ``at least 1.46x``."""
+    """A ``--capacity`` routers.md's ratios by kind of deployment ("aggregated", "PD"), e.g. ``at least 1.46x``."""
     import re
 
-    found = dict(re.findall(r"against the best (aggregated|PD) peer, [^:]+: ((?:at least |about )?[0-9.]+x)", markdown))
-    return found["aggregated"], found["PD"]
+    return dict(re.findall(r"against the best (aggregated|PD) peer, [^:]+: ((?:at least |about )?[0-9.]+x)", markdown))
+
+
+def _like_for_like_runs(name):
+    """A workload's run folders: the run of all four contenders, then its later colocated pair's if there is one."""
+    run = SIM.parent / "scale" / "like-for-like" / name
+    return [run, *([run / "colocated"] if (run / "colocated").is_dir() else [])]
 
 
 def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_says():
@@ -576,29 +581,33 @@ def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_
     readme = (folder / "README.md").read_text()
     flat = " ".join(readme.split())
     for name, workload in LIKE_FOR_LIKE.items():
-        record = json.loads((folder / "like-for-like" / name / "routers.json").read_text())
-        assert record["code"] and "uncommitted" not in record["code"], f"{name} ran uncommitted code"
-        assert "--capacity" in record["command"] and "emulation.profile_error=0.2" in record["command"]
-        assert "emulation.profile=analytic-gpu-linear" in record["command"]
-        assert f"code {record['code']})" in readme and " ".join(record["command"].split()[4:12]) in flat
-        markdown = (folder / "like-for-like" / name / "routers.md").read_text()
-        bisected = markdown[markdown.index("| front end | bisection 1") :].strip().splitlines()
-        missing = [line for line in [*bisected, *knee_rows(record["contenders"])] if line and line not in readme]
-        assert not missing, f"README.md does not quote {name}: {missing}"
-        aggregated, pd = _ratios(markdown)
-        assert f"| {workload} | {aggregated} | {pd} |" in readme
-        failed = sorted(  # ours fail by refusing (429); any other failure the README counts
-            sum(n for key, n in level["summary"]["errors"].items() if not key.startswith("429"))
-            for spec in ("conductor", "conductor:disaggregated")
-            for level in record["contenders"][spec]["levels"].values()
-        )
-        failed = [n for n in failed if n]
-        if failed:
-            assert f"{', '.join(map(str, failed[:-1]))} and {failed[-1]} requests in those" in flat, (name, failed)
+        ratios = {}
+        for run in _like_for_like_runs(name):  # the colocated pair's later run, if any, gives the aggregated ratio
+            record = json.loads((run / "routers.json").read_text())
+            assert record["code"] and "uncommitted" not in record["code"], f"{run} ran uncommitted code"
+            assert "--capacity" in record["command"] and "emulation.profile_error=0.2" in record["command"]
+            assert "emulation.profile=analytic-gpu-linear" in record["command"]
+            assert f"code {record['code']})" in readme and " ".join(record["command"].split()[4:12]) in flat
+            markdown = (run / "routers.md").read_text()
+            bisected = markdown[markdown.index("| front end | bisection 1") :].strip().splitlines()
+            missing = [line for line in [*bisected, *knee_rows(record["contenders"])] if line and line not in readme]
+            assert not missing, f"README.md does not quote {run}: {missing}"
+            ratios.update(_ratios(markdown))
+            failed = sorted(  # ours fail by refusing (429); any other failure the README counts
+                sum(n for key, n in level["summary"]["errors"].items() if not key.startswith("429"))
+                for spec in ("conductor", "conductor:disaggregated")
+                if spec in record["contenders"]
+                for level in record["contenders"][spec]["levels"].values()
+            )
+            failed = [n for n in failed if n]
+            if failed:
+                assert f"{', '.join(map(str, failed[:-1]))} and {failed[-1]} requests in those" in flat, (run, failed)
+        assert f"| {workload} | {ratios['aggregated']} | {ratios['PD']} |" in readme
     for name in ("shared-prefix-linear", "agent-linear"):
         decided = {}
-        for deployment in ("colocated", "disaggregated"):
-            path = folder / "like-for-like" / name / f"decisions-{deployment}.json"
+        for deployment in ("colocated", "disaggregated"):  # each from the latest run of that deployment
+            path = next(r / f"decisions-{deployment}.json" for r in _like_for_like_runs(name)[::-1]
+                        if (r / f"decisions-{deployment}.json").exists())  # fmt: skip
             decided[deployment] = json.loads(path.read_text())["conductors"]["conductor-0"]
         c, d = decided["colocated"], decided["disaggregated"]
         claim = (f"colocated, {c['below_best_prefix']:.0%} of choices went to an instance holding less than the "

@@ -79,9 +79,9 @@ class ConductorCore:
         there (``policy.shared_delay``). ``avoid_stalls`` (the conditional path, whose remote plan stalls no one):
         with SLO admission, a plan whose prompt would push requests decoding there past the TBT SLO
         (``stalls_past_tbt``) is re-planned without that instance, ``LOCAL_RETRIES`` times at most, and refused
-        when every plan tried pushes some. The pure colocated path takes Algorithm 1's plan as it is: steered
-        away from the instances such a check names, it recomputed prefixes their holders had, on a cluster whose
-        capacity is its compute, and served fewer requests within the SLOs (docs/design.md).
+        when every plan tried pushes some. The pure colocated path takes Algorithm 1's plan as it is: re-planned
+        so, it took instances Algorithm 1 ranked worse for pushes mostly predicted, not measured, and served fewer
+        requests within the SLOs (docs/design.md).
         """
         hashes, bs = block_hashes, shape.block_size
         skipped: list[tuple[str, str]] = []  # (instance, why)

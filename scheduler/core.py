@@ -27,7 +27,7 @@ from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
 from scheduler.stalls import prompt_stalls
 
-LOCAL_RETRIES = 2  # colocated instances skipped per request for stalling their decodes
+LOCAL_RETRIES = 2  # conditional path: colocated instances skipped per request for stalling their decodes
 
 
 @dataclass

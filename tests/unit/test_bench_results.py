@@ -571,9 +571,9 @@ def _ratios(markdown):
 
 
 def _like_for_like_runs(name):
-    """A workload's run folders: the run of all four contenders, then its later colocated pair's if there is one."""
+    """A workload's run folders: the run of all four contenders, then its pairs' later runs (colocated, PD) if any."""
     run = SIM.parent / "scale" / "like-for-like" / name
-    return [run, *([run / "colocated"] if (run / "colocated").is_dir() else [])]
+    return [run, *(run / pair for pair in ("colocated", "pd") if (run / pair).is_dir())]
 
 
 def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_says():
@@ -582,7 +582,7 @@ def test_like_for_like_runs_name_clean_code_and_the_readme_says_what_their_json_
     flat = " ".join(readme.split())
     for name, workload in LIKE_FOR_LIKE.items():
         ratios = {}
-        for run in _like_for_like_runs(name):  # the colocated pair's later run, if any, gives the aggregated ratio
+        for run in _like_for_like_runs(name):  # a pair's later run, if any, gives its ratio
             record = json.loads((run / "routers.json").read_text())
             assert record["code"] and "uncommitted" not in record["code"], f"{run} ran uncommitted code"
             assert "--capacity" in record["command"] and "emulation.profile_error=0.2" in record["command"]

@@ -76,6 +76,25 @@ def test_a_link_gets_a_model_of_its_own_only_from_enough_transfers():
     assert links.model("p1").bandwidth_bytes_per_s == pytest.approx(1e6, rel=1e-6)  # eight: its own
 
 
+def test_a_transfer_refits_only_the_link_models_it_could_change(monkeypatch):
+    """Every decision reads each prefill candidate's model: a transfer from p0 must not refit p1's from its window."""
+    links = LinkModels(TransferModel(0.003, 1e9))
+    sizes = [1 << k for k in range(16, 26)]
+    for source, bandwidth in (("p0", 1e9), ("p1", 2e9)):
+        for nbytes in sizes:
+            links.observe(source, "d0", nbytes, 0.001 + nbytes / bandwidth)
+    links.observe("p2", "d0", 1 << 20, 0.002)  # too few of its own: p2's fit reads every link
+    before = {p: links.model(p).bandwidth_bytes_per_s for p in ("p0", "p1", "p2")}
+    fits, fit = [], TransferModel.fit
+    monkeypatch.setattr(TransferModel, "fit", lambda samples: fits.append(len(samples)) or fit(samples))
+    for nbytes in sizes:
+        links.observe("p0", "d0", nbytes, 0.001 + nbytes / 4e9)  # p0's link got faster
+    after = {p: links.model(p).bandwidth_bytes_per_s for p in ("p0", "p1", "p2")}
+    assert after["p1"] == before["p1"] == pytest.approx(2e9, rel=1e-6)
+    assert after["p0"] > before["p0"] and after["p2"] != before["p2"]
+    assert len(fits) == 2  # p0's and p2's, once each: p1 kept its fit
+
+
 def test_a_few_transfers_timed_on_a_busy_moment_do_not_move_a_link_model():
     links = LinkModels(TransferModel(0.003, 1e9))
     sizes = [1 << k for k in range(16, 28)]

@@ -84,15 +84,18 @@ def test_a_transfer_refits_only_the_link_models_it_could_change(monkeypatch):
         for nbytes in sizes:
             links.observe(source, "d0", nbytes, 0.001 + nbytes / bandwidth)
     links.observe("p2", "d0", 1 << 20, 0.002)  # too few of its own: p2's fit reads every link
+    copies = [("p0", "p1"), ("p0", "p2"), ("p1", "p0")]  # no transfers of their own: their sources' fits
     before = {p: links.model(p).bandwidth_bytes_per_s for p in ("p0", "p1", "p2")}
+    assert [links.model(*c).bandwidth_bytes_per_s for c in copies] == [before["p0"], before["p0"], before["p1"]]
     fits, fit = [], TransferModel.fit
     monkeypatch.setattr(TransferModel, "fit", lambda samples: fits.append(len(samples)) or fit(samples))
     for nbytes in sizes:
         links.observe("p0", "d0", nbytes, 0.001 + nbytes / 4e9)  # p0's link got faster
     after = {p: links.model(p).bandwidth_bytes_per_s for p in ("p0", "p1", "p2")}
+    assert [links.model(*c).bandwidth_bytes_per_s for c in copies] == [after["p0"], after["p0"], after["p1"]]
     assert after["p1"] == before["p1"] == pytest.approx(2e9, rel=1e-6)
     assert after["p0"] > before["p0"] and after["p2"] != before["p2"]
-    assert len(fits) == 2  # p0's and p2's, once each: p1 kept its fit
+    assert len(fits) == 2  # p0's (its candidate's and its copies') and all links' (p2's), once each
 
 
 def test_a_few_transfers_timed_on_a_busy_moment_do_not_move_a_link_model():

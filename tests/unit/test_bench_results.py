@@ -730,6 +730,35 @@ def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_s
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
+def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_the_json_says():
+    folder = SIM.parent / "scale" / "conditional"
+    readme = " ".join((folder / "README.md").read_text().split())
+    cap, levels = {}, {}
+    for name in ("pair-final", "pair-before-link-fits"):
+        record = json.loads((folder / name / "routers.json").read_text())
+        assert record["code"] and "uncommitted" not in record["code"] and record["code"] in readme
+        assert "--contenders conductor:conditional conductor:disaggregated" in record["command"]
+        cap[name] = {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
+        levels[name] = {
+            spec: {lvl: v["summary"] for lvl, v in c["levels"].items()} for spec, c in record["contenders"].items()
+        }
+    now, then = cap["pair-final"], cap["pair-before-link-fits"]
+    cond, pd = levels["pair-final"]["conductor:conditional"], levels["pair-final"]["conductor:disaggregated"]
+    c, p = now["conductor:conditional"], now["conductor:disaggregated"]
+    knee, refused = "rate=23.19", lambda s: s["requests"] - s["completed"]
+    claims = [
+        f"the mixed pool held **{c:g} req/s, PD {p:g} ({c / p:.2f}x)**",
+        f"read {then['conductor:conditional']:g} against {then['conductor:disaggregated']:g} req/s "
+        f"({then['conductor:conditional'] / then['conductor:disaggregated']:.2f}x)",
+        f"(TTFT p50 {cond['rate=20.92']['ttft_ms']['median']:.0f} ms against {pd['rate=20.92']['ttft_ms']['median']:.0f} "
+        f"ms for PD at 20.92 req/s)",
+        f"({cond[knee]['slo_attainment']:.1%} within the SLOs at 23.19 req/s, TTFT p90 "
+        f"{cond[knee]['ttft_ms']['p90'] / 1e3:.1f} s, {refused(cond[knee])} refused, where PD held "
+        f"{pd[knee]['slo_attainment']:.1%} refusing {refused(pd[knee])})",
+    ]
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
+
+
 def test_the_startup_readme_says_what_its_json_says():
     folder = SIM.parent / "engine" / "startup"
     readme = (folder / "README.md").read_text()

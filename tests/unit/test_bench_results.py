@@ -750,8 +750,8 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
         f"the mixed pool held **{c:g} req/s, PD {p:g} ({c / p:.2f}x)**",
         f"read {then['conductor:conditional']:g} against {then['conductor:disaggregated']:g} req/s "
         f"({then['conductor:conditional'] / then['conductor:disaggregated']:.2f}x)",
-        f"(TTFT p50 {cond['rate=20.92']['ttft_ms']['median']:.0f} ms against {pd['rate=20.92']['ttft_ms']['median']:.0f} "
-        f"ms for PD at 20.92 req/s)",
+        f"(TTFT p50 {cond['rate=20.92']['ttft_ms']['median']:.0f} ms against "
+        f"{pd['rate=20.92']['ttft_ms']['median']:.0f} ms for PD at 20.92 req/s)",
         f"({cond[knee]['slo_attainment']:.1%} within the SLOs at 23.19 req/s, TTFT p90 "
         f"{cond[knee]['ttft_ms']['p90'] / 1e3:.1f} s, {refused(cond[knee])} refused, where PD held "
         f"{pd[knee]['slo_attainment']:.1%} refusing {refused(pd[knee])})",

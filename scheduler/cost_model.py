@@ -184,7 +184,8 @@ class LinkModels:
     from that source without a fit of its own shares it: the prefill candidate's T_send, the copies from it),
     all links'. Every decision asks for the model of each prefill candidate and of each copy between them;
     refitting each of those after every transfer cost the Conductor 1.5 ms a model once the windows filled
-    (256 transfers a source), and on a 12P+4D cluster at 21 req/s its CPU rose by half over 4,000 requests.
+    (256 transfers a source): on a 12P+4D cluster at 21-22 req/s its CPU rose from 0.33 to 0.48 of a core
+    over 4,800 requests, and stays at 0.32-0.36 now (bench/results/scale/conditional/README.md).
     """
 
     def __init__(self, prior: TransferModel, window: int = 64) -> None:

@@ -756,6 +756,24 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
         f"{cond[knee]['ttft_ms']['p90'] / 1e3:.1f} s, {refused(cond[knee])} refused, where PD held "
         f"{pd[knee]['slo_attainment']:.1%} refusing {refused(pd[knee])})",
     ]
+    aging = {}
+    for name in ("before", "after"):  # twelve probes in a row on one PD cluster
+        record = json.loads((folder / "aging" / name / "routers.json").read_text())
+        assert record["code"] and "uncommitted" not in record["code"] and f"code {record['code']}" in readme
+        assert (
+            "--request-rates 21 21.1" in record["command"]
+            and "--contenders conductor:disaggregated" in record["command"]
+        )
+        aging[name] = {
+            k: v["summary"]["slo_attainment"]
+            for k, v in record["contenders"]["conductor:disaggregated"]["levels"].items()
+        }
+    mids = [aging["after"][f"rate={x / 10:g}"] for x in range(211, 219)]
+    claims.append(
+        f"({aging['after']['rate=22']:.1%} and {aging['after']['rate=22.1']:.1%} within, against {min(mids):.1%}-"
+        f"{max(mids):.1%} at 21.1-21.8 req/s; {aging['before']['rate=22']:.1%} and {aging['before']['rate=22.1']:.1%} "
+        "before)"
+    )
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 

@@ -693,22 +693,30 @@ def test_plan_results_name_clean_code_and_the_readme_says_what_the_json_says():
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
+CONDITIONAL = SIM.parent / "scale" / "conditional"
+
+
+def _conditional_run(name, readme):
+    """A run under bench/results/scale/conditional: clean code the README names, a trace command."""
+    record = json.loads((CONDITIONAL / name / "routers.json").read_text())
+    assert record["code"] and "uncommitted" not in record["code"] and record["code"] in readme
+    assert record["command"].startswith("kvconductor bench compare --engine emulated --routers --workload trace")
+    return record
+
+
+def _summaries(record):
+    """Each contender's summary per level: {spec: {"rate=R": summary}}."""
+    return {spec: {lvl: v["summary"] for lvl, v in c["levels"].items()} for spec, c in record["contenders"].items()}
+
+
 def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_says():
-    folder = SIM.parent / "scale" / "conditional"
-    readme = " ".join((folder / "README.md").read_text().split())
-
-    def load(name):
-        record = json.loads((folder / name / "routers.json").read_text())
-        assert "uncommitted" not in record["code"] and record["code"] in readme
-        assert record["command"].startswith("kvconductor bench compare --engine emulated --routers --workload trace")
-        return record
-
-    now, dynamo = load("trace"), load("trace-dynamo-rule")
-    before = load("before-fixes/trace")
+    readme = " ".join((CONDITIONAL / "README.md").read_text().split())
+    now, dynamo = _conditional_run("trace", readme), _conditional_run("trace-dynamo-rule", readme)
+    before = _conditional_run("before-fixes/trace", readme)
     assert "--set 'scheduler.disaggregation=\"dynamo\"'" in dynamo["command"]
     cap = {spec: c["capacity"][0]["capacity"] for spec, c in now["contenders"].items()}
     dyn = dynamo["contenders"]["conductor:conditional"]["capacity"][0]["capacity"]
-    levels = {spec: {lvl: v["summary"] for lvl, v in c["levels"].items()} for spec, c in now["contenders"].items()}
+    levels = _summaries(now)
     cond, pd = levels["conductor:conditional"], levels["conductor:disaggregated"]
     claims = [
         f"Cost against Dynamo's rule, same deployment: {cap['conductor:conditional'] / dyn:.2f}x",
@@ -731,17 +739,13 @@ def test_conditional_results_name_clean_code_and_the_readme_says_what_the_json_s
 
 
 def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_the_json_says():
-    folder = SIM.parent / "scale" / "conditional"
-    readme = " ".join((folder / "README.md").read_text().split())
+    readme = " ".join((CONDITIONAL / "README.md").read_text().split())
     cap, levels = {}, {}
     for name in ("pair-final", "pair-before-link-fits"):
-        record = json.loads((folder / name / "routers.json").read_text())
-        assert record["code"] and "uncommitted" not in record["code"] and record["code"] in readme
+        record = _conditional_run(name, readme)
         assert "--contenders conductor:conditional conductor:disaggregated" in record["command"]
         cap[name] = {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
-        levels[name] = {
-            spec: {lvl: v["summary"] for lvl, v in c["levels"].items()} for spec, c in record["contenders"].items()
-        }
+        levels[name] = _summaries(record)
     now, then = cap["pair-final"], cap["pair-before-link-fits"]
     cond, pd = levels["pair-final"]["conductor:conditional"], levels["pair-final"]["conductor:disaggregated"]
     c, p = now["conductor:conditional"], now["conductor:disaggregated"]
@@ -758,16 +762,13 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
     ]
     aging = {}
     for name in ("before", "after"):  # twelve probes in a row on one PD cluster
-        record = json.loads((folder / "aging" / name / "routers.json").read_text())
-        assert record["code"] and "uncommitted" not in record["code"] and f"code {record['code']}" in readme
+        record = _conditional_run(f"aging/{name}", readme)
+        assert f"code {record['code']}" in readme
         assert (
             "--request-rates 21 21.1" in record["command"]
             and "--contenders conductor:disaggregated" in record["command"]
         )
-        aging[name] = {
-            k: v["summary"]["slo_attainment"]
-            for k, v in record["contenders"]["conductor:disaggregated"]["levels"].items()
-        }
+        aging[name] = {k: v["slo_attainment"] for k, v in _summaries(record)["conductor:disaggregated"].items()}
     mids = [aging["after"][f"rate={x / 10:g}"] for x in range(211, 219)]
     claims.append(
         f"({aging['after']['rate=22']:.1%} and {aging['after']['rate=22.1']:.1%} within, against {min(mids):.1%}-"

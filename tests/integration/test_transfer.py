@@ -1,6 +1,7 @@
 """KV block transfers between two processes over the Mooncake Transfer Engine (TCP, loopback)."""
 
 import multiprocessing
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -8,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.kv.transfer import MAX_ENTRIES, RETRY_BACKOFF_S, KVTransferEngine, TransferError, coalesce
+from services.worker.kv.transfer import (
+    MAX_ENTRIES,
+    POLL_S,
+    RETRY_BACKOFF_S,
+    KVTransferEngine,
+    TransferError,
+    coalesce,
+)
 
 POOL_BYTES = 4 << 20
 BLOCK = 64 << 10
@@ -166,17 +174,31 @@ def test_write_outside_peer_registration_is_rejected(peer: Peer, local: tuple[KV
         engine.write_blocks(peer.endpoint, [pool.data_ptr()], [peer.base + POOL_BYTES - 4096], 2 * 4096)
 
 
-class _Refusing:
-    """The Mooncake engine, refusing the first ``refusals`` batch writes as its TCP lanes do when their queues fill."""
+class _Engine:
+    """The Mooncake engine as the transfer calls use it, for doubles to override parts of."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def batch_transfer_async_write(self, *args: Any) -> int:
+        return self.engine.batch_transfer_async_write(*args)
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        return self.engine.transfer_check_status(batch_id)
+
+
+class _Refusing(_Engine):
+    """Refusing the first ``refusals`` writes as the engine's TCP lanes do when their queues fill."""
 
     def __init__(self, engine: Any, refusals: int) -> None:
-        self.engine, self.refusals = engine, refusals
+        super().__init__(engine)
+        self.refusals = refusals
 
-    def batch_transfer_sync_write(self, *args: Any) -> int:
+    def batch_transfer_async_write(self, *args: Any) -> int:
         if self.refusals:
             self.refusals -= 1
-            return -1
-        return self.engine.batch_transfer_sync_write(*args)
+            return 0
+        return self.engine.batch_transfer_async_write(*args)
 
 
 def test_a_refused_write_is_tried_again_and_lands(peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]) -> None:
@@ -197,15 +219,29 @@ def test_a_refused_write_is_tried_again_and_lands(peer: Peer, local: tuple[KVTra
         engine._engine = real
 
 
-class _Counting:
-    """The Mooncake engine, remembering how many entries each batch write carried."""
+class _Counting(_Engine):
+    """Counting the entries in flight at once (the most of them), and the status checks."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.entries = engine, []
+    def __init__(self, engine: Any, delay_s: float = 0.0) -> None:
+        super().__init__(engine)
+        self.delay_s = delay_s  # each entry reads as in flight this long at least
+        self.submitted: dict[int, float] = {}
+        self.most_in_flight = self.checks = 0
 
-    def batch_transfer_sync_write(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
-        self.entries.append(len(srcs))
-        return self.engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
+    def batch_transfer_async_write(self, *args: Any) -> int:
+        batch_id = self.engine.batch_transfer_async_write(*args)
+        self.submitted[batch_id] = time.monotonic()
+        self.most_in_flight = max(self.most_in_flight, len(self.submitted))
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        self.checks += 1
+        if time.monotonic() - self.submitted[batch_id] < self.delay_s:
+            return 0
+        status = self.engine.transfer_check_status(batch_id)
+        if status:
+            del self.submitted[batch_id]
+        return status
 
 
 def test_a_write_of_scattered_blocks_goes_in_batches_and_lands(
@@ -225,7 +261,27 @@ def test_a_write_of_scattered_blocks_goes_in_batches_and_lands(
                                      small)  # fmt: skip
     finally:
         engine._engine = real
-    assert counting.entries == [MAX_ENTRIES] * 3 + [5]
+    assert counting.most_in_flight == MAX_ENTRIES and not counting.submitted
     landed = peer.dump()
     assert all(torch.equal(landed[d : d + small], pool[s : s + small]) for s, d in zip(src, dst, strict=True))
     assert result.blocks == n
+
+
+def test_a_transfer_in_flight_is_waited_for_without_spinning(
+    peer: Peer, local: tuple[KVTransferEngine, torch.Tensor]
+) -> None:
+    """Mooncake's synchronous calls poll a transfer's status in a loop that never sleeps; ours sleep between checks."""
+    engine, pool = local
+    real = engine._engine
+    pool.copy_(random_pool(5))
+    peer.fill(torch.zeros(POOL_BYTES, dtype=torch.uint8))
+    try:
+        engine._engine = counting = _Counting(real, delay_s=0.2)
+        result = engine.write_blocks(peer.endpoint, blocks_of(pool, [0, 2]), [peer.addr(3), peer.addr(5)], BLOCK)
+    finally:
+        engine._engine = real
+    assert result.seconds >= 0.2
+    assert counting.checks <= 2 * (2 + 0.2 / POLL_S[1] + 10)  # two entries; a spinning wait checks thousands of times
+    landed = peer.dump()
+    assert torch.equal(landed[3 * BLOCK : 4 * BLOCK], pool[:BLOCK])
+    assert torch.equal(landed[5 * BLOCK : 6 * BLOCK], pool[2 * BLOCK : 3 * BLOCK])

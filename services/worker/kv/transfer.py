@@ -21,8 +21,14 @@ every interface: the engine authenticates nobody, and whoever reaches those port
 registered pool. Mooncake itself binds them to the wildcard whatever ``host`` says; ``bind_guard.confined``
 rewrites its binds and refuses an engine that still listens elsewhere (services/worker/kv/bind_guard.py).
 
-The transfer calls block and release the GIL: call them from a worker thread to overlap
-them with compute.
+The transfer calls block (without the GIL): call them from a worker thread to overlap them with compute.
+
+Waiting without spinning. Mooncake's synchronous batch calls poll the batch's status in a loop that never
+sleeps, so each transfer in flight keeps a thread on a core until its bytes land. On a machine short of cores
+that thread takes the CPU that the engine's own threads, and the peer's, need to move those bytes: the slower
+a transfer, the longer it spins. On two cores, twelve prefill workers spinning so tipped a full-pace cluster
+into overload (their CPU tripled, every process slowed). Each entry is submitted here as an asynchronous
+transfer of its own and the entries are checked with sleeps in between (``POLL_S``).
 
 Modeled link. An emulated engine (``engine.emulated_runner``) keeps a few bytes per token where the
 model it emulates keeps hundreds of KiB, so its KV crosses loopback almost for free. Given
@@ -50,6 +56,9 @@ RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
 # free blocks are scattered between its cached ones) is a run per block: thousands of entries submitted at
 # once fill the TCP transport's lane queues and every try of the write is refused; in batches they flow.
 MAX_ENTRIES = 128
+INVALID_BATCH = (1 << 64) - 1  # what an asynchronous submit returns when it cannot open the peer's segment
+POLL_S = (0.0002, 0.002)  # the first and the longest sleep between two status checks of the entries in flight
+TIMEOUT_S = 30.0  # an entry still in flight this long after its call began (plus 1 s per GB) has failed
 
 
 class TransferError(RuntimeError):
@@ -179,18 +188,17 @@ class KVTransferEngine:
             srcs, dsts, lengths = coalesce(local, remote, length)
         else:
             srcs, dsts, lengths = list(local), list(remote), [length] * len(local)
-        call = self._engine.batch_transfer_sync_write if op == "write" else self._engine.batch_transfer_sync_read
         start = time.perf_counter()
         for i in range(0, len(srcs), MAX_ENTRIES):
             batch = srcs[i : i + MAX_ENTRIES], dsts[i : i + MAX_ENTRIES], lengths[i : i + MAX_ENTRIES]
-            status = call(peer, *batch)
+            status = self._call(op, peer, *batch)
             for wait in RETRY_BACKOFF_S:  # the same bytes to the same addresses: a partial first try is overwritten
                 if status == 0:
                     break
                 time.sleep(wait)
                 with self._lock:
                     self._counts.retries += 1
-                status = call(peer, *batch)
+                status = self._call(op, peer, *batch)
             if status != 0:
                 raise TransferError(
                     f"{op} of {len(local)} blocks x {length} B ({len(srcs)} entries) with {peer} returned {status}"
@@ -201,6 +209,34 @@ class KVTransferEngine:
             time.sleep(max(0.0, self.link_floor(len(local) * length) - seconds))
             seconds = time.perf_counter() - start
         return TransferResult(len(local) * length, len(local), seconds)
+
+    def _call(self, op: str, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        """Move the entries and wait for all of them, sleeping between checks: 0 when every one landed.
+
+        Each entry is a transfer of its own (the engine tells a batch's status without blocking only for its first
+        entry). Nonzero: an entry the engine refused (-1, as its TCP lanes do when their queues are full, or an
+        unknown peer), failed (-1) or timed out (-2); the entries already in flight are waited for all the same.
+        """
+        submit = self._engine.batch_transfer_async_write if op == "write" else self._engine.batch_transfer_async_read
+        deadline = time.monotonic() + TIMEOUT_S + sum(lengths) / 1e9
+        status, pending = 0, []
+        for src, dst, length in zip(srcs, dsts, lengths, strict=True):
+            batch_id = submit(peer, [src], [dst], [length])
+            if batch_id in (0, INVALID_BATCH):
+                status = -1
+                break
+            pending.append(batch_id)
+        wait = POLL_S[0]
+        while pending:
+            checked = [(b, self._engine.transfer_check_status(b)) for b in pending]
+            pending = [b for b, s in checked if s == 0]
+            status = next((s for _, s in checked if s < 0), status)
+            if pending and time.monotonic() > deadline:
+                return -2  # their batch ids stay allocated: the engine frees one only when it completes or fails
+            if pending:
+                time.sleep(wait)
+                wait = min(2 * wait, POLL_S[1])
+        return status
 
     def count_written(self, blocks: int, nbytes: int) -> None:
         """Count blocks this process's engine wrote to a peer through a transfer engine of its own (vLLM's)."""

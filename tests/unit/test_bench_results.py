@@ -778,6 +778,36 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
+def test_the_transfer_wait_runs_name_clean_code_and_the_readme_says_what_the_json_says():
+    """Nine probes in a row on one conditional cluster, before and after transfers stopped spinning."""
+    readme = " ".join((CONDITIONAL / "README.md").read_text().split())
+    within, ttft, prefill_cpu = {}, {}, {}
+    for name in ("before", "after"):
+        record = _conditional_run(f"transfer-wait/{name}", readme)
+        assert "--contenders conductor:conditional --request-rates 21.5 21.6" in record["command"]
+        cpu = json.loads((CONDITIONAL / "transfer-wait" / name / "cpu.json").read_text())
+        assert cpu["code"] == record["code"] and record["command"].removeprefix("kvconductor ") in cpu["command"]
+        levels = _summaries(record)["conductor:conditional"]
+        within[name] = [s["slo_attainment"] for s in levels.values()]
+        ttft[name] = [s["ttft_ms"]["median"] for s in levels.values()]
+        prefill_cpu[name] = [
+            sum(v for k, v in w["cpu_s"].items() if k.startswith("prefill")) / w["wall_s"]
+            for w in cpu["windows"].values()
+        ]
+    b, a = within["before"], within["after"]
+    claims = [
+        f"probes fell to {b[3]:.1%}, {b[4]:.1%} and {b[5]:.1%} within the SLOs and recovered to {min(b[6:]):.1%}-"
+        f"{max(b[6:]):.1%} after them",
+        f"CPU rose from {prefill_cpu['before'][0]:.2f} to {max(prefill_cpu['before']):.2f} of a core",
+        f"all nine probes held {min(a):.1%}-{max(a):.1%} within the SLOs, the prefill workers' CPU stayed at "
+        f"{min(prefill_cpu['after']):.2f}-{max(prefill_cpu['after']):.2f} of a core",
+        f"TTFT p50 of {min(ttft['after'][3:6]):.0f}-{max(ttft['after'][3:6]):.0f} ms (against "
+        f"{min(ttft['before'][3:6]):.0f}-{max(ttft['before'][3:6]):.0f} ms before)",
+    ]
+    assert len(a) == len(b) == 9
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
+
+
 def test_the_startup_readme_says_what_its_json_says():
     folder = SIM.parent / "engine" / "startup"
     readme = (folder / "README.md").read_text()

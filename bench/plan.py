@@ -99,6 +99,7 @@ class Bed:
 
     trace: Path
     limit: int | None
+    max_output_tokens: int | None
     profile: Profile
     max_ttft: float
     max_tbt: float
@@ -109,7 +110,7 @@ class Bed:
 
     def attainment(self, candidate: Candidate, knobs: Knobs, rate: float) -> float:
         """Share of the trace's requests within both SLOs at ``rate`` req/s (admission on: rejections miss)."""
-        requests = load_trace(self.trace, speed=rate / self.base_rate, limit=self.limit)
+        requests = load_trace(self.trace, rate / self.base_rate, self.limit, self.max_output_tokens)
         profile = replace(self.profile, chunk_tokens=knobs.max_num_batched_tokens,
                           max_running=knobs.max_concurrent_requests)  # fmt: skip
         colocated = candidate.deployment == "colocated"
@@ -296,6 +297,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     goal.add_argument("--instances", type=int, metavar="N", help="instance budget: the most it serves")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (%(default)s)")
     p.add_argument("--limit", type=int, default=2000, metavar="N", help="its first N requests (default 2000; 0: all)")
+    p.add_argument("--max-output-tokens", type=int, metavar="N",
+                   help="cap each request's output at N tokens (as bench compare's trace workload does)")  # fmt: skip
     p.add_argument("--profile", default="analytic-gpu", metavar="NAME|JSON",
                    help=f"latency profile: {', '.join(PROFILES)}, or a JSON one (e.g. recorded on a GPU)")  # fmt: skip
     p.add_argument("--ttft-slo-ms", type=float, required=True, help="TTFT SLO, ms")
@@ -319,13 +322,15 @@ def main(args: argparse.Namespace) -> int:
     """Search, tune, write the files; 1 when no cluster up to ``--max-instances`` meets the SLOs at ``--rate``."""
     if args.rate is not None and args.rate <= 0 or args.instances is not None and args.instances < 1:
         raise ValueError("--rate must be > 0 and --instances >= 1")
+    if args.max_output_tokens is not None and args.max_output_tokens < 1:
+        raise ValueError("--max-output-tokens must be >= 1")
     if not 1 <= args.min_instances <= args.max_instances:
         raise ValueError("need 1 <= --min-instances <= --max-instances")
     limit = args.limit or None
     profile = named_profile(str(args.profile))
     requests = load_trace(args.trace, limit=limit)
-    bed = Bed(args.trace, limit, profile, args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3, args.disaggregation,
-              args.prediction_error, args.seed, trace_rate(requests))  # fmt: skip
+    bed = Bed(args.trace, limit, args.max_output_tokens, profile, args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3,
+              args.disaggregation, args.prediction_error, args.seed, trace_rate(requests))  # fmt: skip
     defaults = SimConfig()
     knobs = Knobs(defaults.kv_cache_balancing_threshold, profile.chunk_tokens, profile.max_running)
     out = Path(args.out or fresh_out("plan"))
@@ -359,7 +364,8 @@ def main(args: argparse.Namespace) -> int:
     (out / "plan.toml").write_text(config_toml(chosen, knobs, bed, header))
     write_json(out / "plan.json", {
         "kind": "plan", "code": code, "command": command, "instances": n, "rate": args.rate,
-        "trace": str(args.trace), "limit": limit, "base_rate": bed.base_rate, "profile": profile.name,
+        "trace": str(args.trace), "limit": limit, "max_output_tokens": args.max_output_tokens,
+        "base_rate": bed.base_rate, "profile": profile.name,
         "slo": {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms, "attainment": ATTAINMENT},
         "chosen": chosen.label, "deployment": chosen.deployment, "capacity": capacity,
         "knobs": asdict(knobs), "tuning": steps, "search": search,

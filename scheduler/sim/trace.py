@@ -9,7 +9,7 @@ type the KV index stores); the last block may be partial (``tail``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 TRACE_BLOCK_SIZE = 512
@@ -53,8 +53,10 @@ def parse_line(request_id: int, line: str, speed: float = 1.0) -> TraceRequest:
     return TraceRequest(request_id, row["timestamp"] / 1e3 / speed, n, max(1, int(row["output_length"])), hashes)
 
 
-def load_trace(path: Path | str = DEFAULT_TRACE, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
-    """Requests of a trace file in arrival order, the first ``limit`` of them when given."""
+def load_trace(
+    path: Path | str = DEFAULT_TRACE, speed: float = 1.0, limit: int | None = None, max_output_tokens: int | None = None
+) -> list[TraceRequest]:
+    """Requests of a trace file in arrival order, the first ``limit`` of them when given, outputs capped."""
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     requests: list[TraceRequest] = []
@@ -63,5 +65,8 @@ def load_trace(path: Path | str = DEFAULT_TRACE, speed: float = 1.0, limit: int 
             if limit is not None and len(requests) >= limit:
                 break
             if line.strip():
-                requests.append(parse_line(len(requests), line, speed))
+                r = parse_line(len(requests), line, speed)
+                if max_output_tokens is not None and r.num_output_tokens > max_output_tokens:
+                    r = replace(r, num_output_tokens=max_output_tokens)
+                requests.append(r)
     return sorted(requests, key=lambda r: (r.arrival, r.request_id))

@@ -41,7 +41,7 @@ def test_every_split_of_n_instances_is_a_candidate():
 
 @pytest.mark.parametrize("candidate", plan.candidates(3, plan.DEPLOYMENTS), ids=lambda c: c.label)
 def test_the_written_config_loads_as_the_launcher_loads_it(candidate, tmp_path):
-    bed = plan.Bed(Path("t"), None, plan.named_profile("analytic-gpu"), 5.0, 0.2, "dynamo", 0.0, 0, 1.0)
+    bed = plan.Bed(Path("t"), None, None, plan.named_profile("analytic-gpu"), 5.0, 0.2, "dynamo", 0.0, 0, 1.0)
     knobs = plan.Knobs(2.0, 4096, 96)
     path = tmp_path / "plan.toml"
     path.write_text(plan.config_toml(candidate, knobs, bed, ["a header"]))
@@ -82,7 +82,7 @@ def test_a_rate_gets_the_fewest_instances_that_meet_it(trace, tmp_path):
     n = record["instances"]
     assert n == 3 and record["capacity"] >= 5.0
     assert [s["instances"] for s in record["search"]] == [2, 3] and record["search"][0]["attainment"] < 0.9
-    bed = plan.Bed(trace, None, plan.named_profile("analytic-gpu"), 2.0, 0.1, "cost", 0.0, 0, 1.0)
+    bed = plan.Bed(trace, None, None, plan.named_profile("analytic-gpu"), 2.0, 0.1, "cost", 0.0, 0, 1.0)
     knobs = plan.Knobs(plan.SimConfig().kv_cache_balancing_threshold, bed.profile.chunk_tokens, bed.profile.max_running)
     assert all(bed.attainment(c, knobs, 5.0) < plan.ATTAINMENT for c in plan.candidates(2, plan.DEPLOYMENTS))
 

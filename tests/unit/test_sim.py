@@ -210,7 +210,9 @@ def test_trace_and_profile_files(tmp_path):
     rows = [{"timestamp": 2000, "input_length": 1025, "output_length": 3, "hash_ids": [0, 1, 2]}]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (r,) = load_trace(trace, speed=2.0)
-    assert r.arrival == 1.0 and len(r.full_blocks) == 2
+    assert r.arrival == 1.0 and len(r.full_blocks) == 2 and r.num_output_tokens == 3
+    assert load_trace(trace, max_output_tokens=2)[0].num_output_tokens == 2  # capped, as `plan --max-output-tokens`
+    assert load_trace(trace, max_output_tokens=8)[0].num_output_tokens == 3
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"prefill": {"c0": 1.0, "c1": 0.0, "c2": 0.0}, "max_running": 7}))
     loaded = load_profile(profile, PROFILE)

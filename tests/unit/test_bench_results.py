@@ -761,7 +761,7 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
         f"{pd[knee]['slo_attainment']:.1%} refusing {refused(pd[knee])})",
     ]
     aging = {}
-    for name in ("before", "after"):  # twelve probes in a row on one PD cluster
+    for name in ("before", "after", "transfer-wait"):  # twelve probes in a row on one PD cluster
         record = _conditional_run(f"aging/{name}", readme)
         assert f"code {record['code']}" in readme
         assert (
@@ -775,6 +775,16 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
         f"{max(mids):.1%} at 21.1-21.8 req/s; {aging['before']['rate=22']:.1%} and {aging['before']['rate=22.1']:.1%} "
         "before)"
     )
+    spun = aging["transfer-wait"]
+    cpu = json.loads((CONDITIONAL / "aging" / "transfer-wait" / "cpu.json").read_text())["windows"].values()
+    share = {role: [sum(v for k, v in w["cpu_s"].items() if k.startswith(role)) / w["wall_s"] for w in cpu]
+             for role in ("Conductor", "prefill")}  # fmt: skip
+    claims += [
+        f"the twelve probes held {min(spun.values()):.1%}-{max(spun.values()):.1%} within the SLOs, the last one "
+        f"{spun['rate=22.1']:.1%}",
+        f"the Conductor {min(share['Conductor']):.2f}-{max(share['Conductor']):.2f} of a core, the prefill workers "
+        f"{min(share['prefill']):.2f}-{max(share['prefill']):.2f})",
+    ]
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 

@@ -52,10 +52,11 @@ def entry_module(command: str) -> str:
         return entry_module(shlex.join(words[words.index("--") + 1 :]))
     if words[:2] == ["python", "-m"]:
         return words[2]
-    if words[:1] == ["kvconductor"] and words[1:2] and words[1] in COMMANDS:
-        return COMMANDS[words[1]]
-    if words[:2] == ["kvconductor", "bench"] and words[2] in SUBCOMMANDS:
-        return SUBCOMMANDS[words[2]]
+    if words and Path(words[0]).name == "kvconductor":  # as installed, or a venv's own (.venv/bin/kvconductor)
+        if words[1:2] and words[1] in COMMANDS:
+            return COMMANDS[words[1]]
+        if words[1:2] == ["bench"] and words[2:3] and words[2] in SUBCOMMANDS:
+            return SUBCOMMANDS[words[2]]
     raise ValueError(
         f"cannot tell what {command!r} runs: record `python -m MODULE ...`, `kvconductor bench ...` "
         "or `kvconductor plan ...`"

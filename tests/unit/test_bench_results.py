@@ -6,6 +6,7 @@ result whose JSON names uncommitted code is refused.
 """
 
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -788,6 +789,37 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
         f"the Conductor {min(share['Conductor']):.2f}-{max(share['Conductor']):.2f} of a core, the prefill workers "
         f"{min(share['prefill']):.2f}-{max(share['prefill']):.2f})",
     ]
+    _assert_quotes(readme, claims, "README.md disagrees with the JSON")
+
+
+def _workload(command):
+    """A bench compare command's flags other than its contenders, its output folder and the disaggregation rule."""
+    words, kept, skip = shlex.split(command), [], False
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            skip = word in ("--contenders", "--out") or words[i + 1 : i + 2] == ['scheduler.disaggregation="dynamo"']
+        if not skip:
+            kept.append(word)
+    return sorted(kept)
+
+
+def test_the_final_conditional_runs_and_the_readme_agree():
+    """The mixed pool on the final code against PD, colocated (a2e4140) and Dynamo's rule in the same deployment."""
+    readme = " ".join((CONDITIONAL / "README.md").read_text().split())
+    pair, rule = _conditional_run("pair-final", readme), _conditional_run("dynamo-rule-final", readme)
+    colocated = _conditional_run("trace", readme)["contenders"]["conductor"]["capacity"][0]["capacity"]
+    assert "--set 'scheduler.disaggregation=\"dynamo\"'" in rule["command"]
+    assert _workload(rule["command"]) == _workload(pair["command"])
+    cost = pair["contenders"]["conductor:conditional"]["capacity"][0]["capacity"]
+    pd = pair["contenders"]["conductor:disaggregated"]["capacity"][0]["capacity"]
+    dyn = rule["contenders"]["conductor:conditional"]["capacity"][0]["capacity"]
+    at = _summaries(rule)["conductor:conditional"][f"rate={dyn:g}"]
+    claims = [
+        f"Cost against Dynamo's rule, same deployment: {cost / dyn:.2f}x.** The mixed pool with the `cost` rule held "
+        f"{cost:g} req/s; with Dynamo's rule {dyn:g} req/s, where {at['requests'] - at['completed']} of the 400",
+        f"1.19x PD**, {cost:g} against {pd:g} req/s, and {cost / colocated:.2f}x 16 colocated workers ({colocated:g}",
+    ]
+    assert f"{cost / pd:.2f}x PD" in readme
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 

@@ -821,6 +821,8 @@ def test_the_final_conditional_runs_and_the_readme_agree():
     ]
     assert f"{cost / pd:.2f}x PD" in readme
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
+    front = " ".join((SIM.parents[2] / "README.md").read_text().split())
+    assert f"held {cost / pd:.2f}x our own prefill/decode split and {cost / dyn:.2f}x Dynamo's threshold rule" in front
 
 
 def test_the_transfer_wait_runs_name_clean_code_and_the_readme_says_what_the_json_says():

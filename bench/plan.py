@@ -12,11 +12,8 @@ bisection (``bench/compare/capacity.py``) over the trace replayed faster or slow
 
 ``--rate R``: N grows from ``--min-instances`` until a candidate meets the SLOs at R; every candidate of that N
 is then ranked by its capacity, and the best one is chosen. ``--instances N``: every candidate of N is ranked.
-Every candidate is simulated with the knobs a deployment runs by default (``[scheduler]
-kv_cache_balancing_threshold``, the workers' ``max_num_batched_tokens`` and ``max_concurrent_requests``), not the
-profile's own chunk and batch limit: a colocated instance's chunk is the stall every request decoding there
-takes. Then the seed's tuning order is walked for the chosen one, one knob at a time, keeping a value only when
-it raises the capacity: ``[scheduler] kv_cache_balancing_threshold``, ``max_num_batched_tokens`` (the prefill
+Then the seed's tuning order is walked for the chosen one, one knob at a time, keeping a value only when it
+raises the capacity: ``[scheduler] kv_cache_balancing_threshold``, ``max_num_batched_tokens`` (the prefill
 chunk), ``max_concurrent_requests`` (per decode instance).
 
 Writes under ``--out``: ``plan.toml`` (node counts, SLOs and the tuned knobs: ``kvconductor up --config
@@ -48,12 +45,11 @@ from scheduler.profiles import PROFILES, Profile, named_profile
 from scheduler.sim.metrics import tbt_of
 from scheduler.sim.simulator import SimConfig, Simulator
 from scheduler.sim.trace import DEFAULT_TRACE, TraceRequest, load_trace
-from services.common.config import WorkerConfig
 
 DEPLOYMENTS = ("colocated", "disaggregated", "conditional")
 _EMPTY = np.empty(0)  # the step log of a request that never decoded
 BRACKET_STEPS = 10  # doublings (or halvings) from the first rate in search of the capacity's bracket
-# The seed's tuning order after the split, with the values tried (the deployment's default is always one).
+# The seed's tuning order after the split, with the values tried (the profile's own value is always one).
 TUNING = {
     "kv_cache_balancing_threshold": (1.5, 2.0, 4.0, 8.0),
     "max_num_batched_tokens": (2048, 4096, 8192, 16384),
@@ -335,8 +331,8 @@ def main(args: argparse.Namespace) -> int:
     requests = load_trace(args.trace, limit=limit)
     bed = Bed(args.trace, limit, args.max_output_tokens, profile, args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3,
               args.disaggregation, args.prediction_error, args.seed, trace_rate(requests))  # fmt: skip
-    pool = WorkerConfig()  # what `kvconductor up` runs unless plan.toml says otherwise
-    knobs = Knobs(SimConfig().kv_cache_balancing_threshold, pool.max_num_batched_tokens, pool.max_concurrent_requests)
+    defaults = SimConfig()
+    knobs = Knobs(defaults.kv_cache_balancing_threshold, profile.chunk_tokens, profile.max_running)
     out = Path(args.out or fresh_out("plan"))
     planner = Planner(bed, knobs, args.jobs, args.quiet)
     planner.say(f"{len(requests)} requests of {args.trace} ({bed.base_rate:.2f} req/s as recorded), profile "

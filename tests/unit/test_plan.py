@@ -11,7 +11,7 @@ import pytest
 
 from bench import plan
 from cli.main import main as kvconductor
-from services.common.config import WorkerConfig, load_config
+from services.common.config import load_config
 
 SLOS = ("--ttft-slo-ms", "2000", "--tbt-slo-ms", "100")
 
@@ -66,11 +66,6 @@ def test_a_budget_ranks_every_deployment_and_writes_the_best(trace, tmp_path, ca
     assert len(capacities) == 5 and record["chosen"] == max(capacities, key=capacities.__getitem__)
     assert record["capacity"] == capacities[record["chosen"]] > 0
     assert record["command"].startswith("kvconductor plan --instances 3")
-    pool = WorkerConfig()  # simulated with the knobs the deployment runs by default, not the profile's
-    assert (record["knobs"]["max_num_batched_tokens"], record["knobs"]["max_concurrent_requests"]) == (
-        pool.max_num_batched_tokens, pool.max_concurrent_requests)  # fmt: skip
-    assert (pool.max_num_batched_tokens, pool.max_concurrent_requests) != (
-        plan.named_profile("analytic-gpu").chunk_tokens, plan.named_profile("analytic-gpu").max_running)  # fmt: skip
     chosen = next(c for c in plan.candidates(3, plan.DEPLOYMENTS) if c.label == record["chosen"])
     config = load_config(out / "plan.toml")
     assert config.prefill.node_count == chosen.node_counts()["prefill"]
@@ -88,9 +83,7 @@ def test_a_rate_gets_the_fewest_instances_that_meet_it(trace, tmp_path):
     assert n == 3 and record["capacity"] >= 5.0
     assert [s["instances"] for s in record["search"]] == [2, 3] and record["search"][0]["attainment"] < 0.9
     bed = plan.Bed(trace, None, None, plan.named_profile("analytic-gpu"), 2.0, 0.1, "cost", 0.0, 0, 1.0)
-    pool = WorkerConfig()
-    knobs = plan.Knobs(plan.SimConfig().kv_cache_balancing_threshold, pool.max_num_batched_tokens,
-                       pool.max_concurrent_requests)  # fmt: skip
+    knobs = plan.Knobs(plan.SimConfig().kv_cache_balancing_threshold, bed.profile.chunk_tokens, bed.profile.max_running)
     assert all(bed.attainment(c, knobs, 5.0) < plan.ATTAINMENT for c in plan.candidates(2, plan.DEPLOYMENTS))
 
 

@@ -687,6 +687,35 @@ def test_plan_results_name_clean_code_and_the_readme_says_what_the_json_says():
     _assert_quotes(readme, claims, "README.md disagrees with the JSON")
 
 
+def test_the_plan_against_live_table_is_the_json():
+    folder = SIM.parent / "plan" / "conversation-16-bed"
+    readme = (folder.parent / "README.md").read_text()
+    record = json.loads((folder / "plan.json").read_text())
+    assert record["max_output_tokens"] == 32 and record["limit"] == 400 and f"code {record['code']})" in readme
+    predicted = {label: c["capacity"] for label, c in record["candidates"].items()}
+
+    def live(path, spec):
+        rates = [b["capacity"] for b in json.loads((folder / path).read_text())["contenders"][spec]["capacity"]]
+        return sum(rates) / len(rates)
+
+    runs = {
+        "14P+2D (chosen)": ("live-14p/routers.json", "conductor:disaggregated"),
+        "14P+2C": ("live-14p/routers.json", "conductor:conditional"),
+        "13P+3D": ("live-13p/routers.json", "conductor:disaggregated"),
+        "12P+4D": ("../../scale/like-for-like/trace-linear/pd/routers.json", "conductor:disaggregated"),
+        "12P+4C": ("../../scale/conditional/pair-final/routers.json", "conductor:conditional"),
+        "16 colocated": ("../../scale/like-for-like/trace-linear/colocated/routers.json", "conductor"),
+    }
+    assert record["chosen"] == "14P+2D"
+    for row, (path, spec) in runs.items():
+        label, measured = row.removesuffix(" (chosen)"), live(path, spec)
+        line = f"| {row} | {predicted[label]:.2f} | {measured:.2f} | {measured / predicted[label]:.2f} |"
+        assert line in readme, f"bench/results/plan/README.md lacks {line}"
+        if path.startswith("live-"):
+            command = json.loads((folder / path).read_text())["command"]
+            assert f"--prefill-workers {label[:2]}" in command and "--max-output-tokens 32 " in command
+
+
 CONDITIONAL = SIM.parent / "scale" / "conditional"
 
 

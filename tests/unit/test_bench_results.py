@@ -727,6 +727,11 @@ def _conditional_run(name, readme):
     return record
 
 
+def _cores(cpu, role):
+    """Cores a role's processes used in each window of a ``bench.compare.cpu`` record, in level order."""
+    return [sum(v for k, v in w["cpu_s"].items() if k.startswith(role)) / w["wall_s"] for w in cpu["windows"].values()]
+
+
 def _summaries(record):
     """Each contender's summary per level: {spec: {"rate=R": summary}}."""
     return {spec: {lvl: v["summary"] for lvl, v in c["levels"].items()} for spec, c in record["contenders"].items()}
@@ -809,9 +814,8 @@ def test_the_conditional_pair_again_names_clean_code_and_the_readme_says_what_th
         "before)"
     )
     spun = aging["transfer-wait"]
-    cpu = json.loads((CONDITIONAL / "aging" / "transfer-wait" / "cpu.json").read_text())["windows"].values()
-    share = {role: [sum(v for k, v in w["cpu_s"].items() if k.startswith(role)) / w["wall_s"] for w in cpu]
-             for role in ("Conductor", "prefill")}  # fmt: skip
+    cpu = json.loads((CONDITIONAL / "aging" / "transfer-wait" / "cpu.json").read_text())
+    share = {role: _cores(cpu, role) for role in ("Conductor", "prefill")}
     claims += [
         f"the twelve probes held {min(spun.values()):.1%}-{max(spun.values()):.1%} within the SLOs, the last one "
         f"{spun['rate=22.1']:.1%}",
@@ -866,10 +870,7 @@ def test_the_transfer_wait_runs_name_clean_code_and_the_readme_says_what_the_jso
         levels = _summaries(record)["conductor:conditional"]
         within[name] = [s["slo_attainment"] for s in levels.values()]
         ttft[name] = [s["ttft_ms"]["median"] for s in levels.values()]
-        prefill_cpu[name] = [
-            sum(v for k, v in w["cpu_s"].items() if k.startswith("prefill")) / w["wall_s"]
-            for w in cpu["windows"].values()
-        ]
+        prefill_cpu[name] = _cores(cpu, "prefill")
     b, a = within["before"], within["after"]
     claims = [
         f"probes fell to {b[3]:.1%}, {b[4]:.1%} and {b[5]:.1%} within the SLOs and recovered to {min(b[6:]):.1%}-"

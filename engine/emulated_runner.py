@@ -21,8 +21,11 @@ KV transfers. ``link`` is the emulated hardware's link and ``model_bytes_per_tok
 KV per token; ``transfer_seconds`` is the time the emulated model's KV for the transferred tokens takes
 on that link (scaled), which the worker's transfer engine waits out (``services.worker.kv.transfer``).
 
-Sampled tokens come from the first ``OUTPUT_VOCAB`` ids that are not special (EOS/BOS), so they
-detokenize to ordinary text and never end a request early: emulated requests run to ``max_tokens``.
+Sampled tokens come from the first ``OUTPUT_VOCAB`` ids that are not special (EOS/BOS), so they never end a
+request early (emulated requests run to ``max_tokens``), and, with the model's tokenizer, only from ids whose
+text alone is whole (``engine.tokenizer.whole_token_ids``): every token streams as a chunk of its own, as a
+real model's text mostly does, so a client sees each token's gap (a byte-level vocabulary's lone bytes past
+ASCII would be held back and sent together).
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from engine.config import ModelConfig
 from engine.kv_pool import KVPool
 from engine.scheduler import ScheduledBatch
+from engine.tokenizer import whole_token_ids
 from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
 
-OUTPUT_VOCAB = 1024  # logits columns: sampled ids are below this
+OUTPUT_VOCAB = 1024  # ids to sample from
 SEED = 0x243F6A8885A308D3
 MASK = (1 << 64) - 1
 KV_BYTES_ALIGN = 16  # K and V halves of whole 8-byte words: each token's chain value stays aligned
@@ -109,20 +114,24 @@ class EmulatedRunner:
         emulation: Emulation,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        """Bind to the pool whose slots hold the chain values."""
+        """Bind to the pool whose slots hold the chain values; sample ids whole in ``tokenizer`` where given."""
         self.emulation = emulation
         self.block_size = kv_pool.block_size
         # data[num_blocks, 1, 2, block_size, 1, head_dim] uint8 -> K's first 8 bytes per slot, as uint64
         pool = kv_pool.data.numpy().reshape(kv_pool.num_blocks, 2, kv_pool.block_size, -1)
         self._values = pool[:, 0, :, :8].view(np.uint64)[..., 0]  # [num_blocks, block_size], a view
         special = {*config.eos_token_ids, *([] if config.bos_token_id is None else [config.bos_token_id])}
-        self.output_ids = [t for t in range(min(OUTPUT_VOCAB, config.vocab_size)) if t not in special]
-        self.columns = min(OUTPUT_VOCAB, config.vocab_size)
+        if tokenizer is not None:
+            self.output_ids = whole_token_ids(tokenizer, special, OUTPUT_VOCAB)
+        else:
+            self.output_ids = [t for t in range(min(OUTPUT_VOCAB, config.vocab_size)) if t not in special]
+        self.columns = max(self.output_ids) + 1
         self._clock, self._sleep = clock, sleep
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Write the batch's chain values, wait out the step, return logits [B, OUTPUT_VOCAB] (one finite each)."""
+        """Write the batch's chain values, wait out the step, return logits [B, columns] (one finite each)."""
         start = self._clock()
         chosen = [
             self._compute(r.next_token_ids(n), r.num_computed_tokens, r.block_table)

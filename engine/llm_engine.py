@@ -27,6 +27,7 @@ from engine.outputs import StepOutput
 from engine.request import Request
 from engine.sampling import SamplingParams, chosen_logprobs, sample
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
@@ -90,7 +91,9 @@ class LLMEngine:
         else:
             self.config = emulation.model_config(load_model_config(model_dir))
             self.kv_pool = KVPool(self.config, block_size, torch.uint8, **size)
-            self.runner = EmulatedRunner(self.kv_pool, self.config, emulation)
+            has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+            tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
+            self.runner = EmulatedRunner(self.kv_pool, self.config, emulation, tokenizer=tokenizer)
         self.block_manager = BlockManager(self.kv_pool.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -104,6 +104,21 @@ def max_token_bytes(tokenizer: Tokenizer) -> int | None:
     return max([longest, *added])
 
 
+def whole_token_ids(tokenizer: Tokenizer, exclude: set[int], limit: int) -> list[int]:
+    """The first ``limit`` ids (not in ``exclude``) whose text alone is whole: non-empty, no partial character.
+
+    A stream sends one chunk per such token; a byte-level vocabulary's lone bytes past ASCII are the
+    partial characters an incremental detokenizer holds back until the rest arrives.
+    """
+    found: list[int] = []
+    for token_id in range(tokenizer.get_vocab_size()):
+        if token_id not in exclude and (text := tokenizer.decode([token_id])) and "\ufffd" not in text:
+            found.append(token_id)
+            if len(found) == limit:
+                break
+    return found
+
+
 _bytes_bound: "weakref.WeakKeyDictionary[Tokenizer, int | None]" = weakref.WeakKeyDictionary()
 
 

@@ -23,7 +23,9 @@ round robin) on a free port. Both discover each other through a file store
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,15 +34,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from tokenizers import AddedToken
 
 from bench.compare.cluster import split
 from bench.compare.peers import DYNAMO_PYTHON, HOST, ROUTER_STOP_TIMEOUT_S
 from cli.local_cluster import REPO, stop
+from engine.tokenizer import load_tokenizer
 from scheduler.profiles import named_profile
 from services.common.config import Config, load_config
 from services.common.net import free_port
 
 ROUTER_MODES = {"kv": "kv", "round_robin": "round-robin"}
+MOCKER_IDS = range(1000, 2000)  # the ids Dynamo 1.6.1's mocker samples its output tokens from
 READY_TIMEOUT_S = 120.0
 
 
@@ -62,14 +67,38 @@ def engine_counts(args: argparse.Namespace, deployment: str) -> dict[str, int]:
     return {"prefill": prefill, "decode": decode}
 
 
+def mocker_model(served: Path, out: Path) -> Path:
+    """The served model's folder for the mocker, its vocabulary extended so that the ids it emits are text.
+
+    The mocker samples each output id from ``MOCKER_IDS``, past a small model's vocabulary (tiny-llama has 261
+    ids), where Dynamo's frontend detokenizes them to nothing and sends no chunk: a client would see one gap
+    per request. Each id the vocabulary lacks becomes an added token of its own text, so every token streams
+    as a chunk, as our emulated workers' do (``engine.emulated_runner``): both sides' TBT is of their tokens'
+    gaps. Prompts arrive as ids of the served vocabulary and mean the same.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(served)
+    size = tokenizer.get_vocab_size()
+    tokenizer.add_tokens([AddedToken(f"w{i}", normalized=False) for i in range(size, MOCKER_IDS.stop)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = json.loads((served / "config.json").read_text())
+    config["vocab_size"] = max(config["vocab_size"], tokenizer.get_vocab_size())
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in ("tokenizer_config.json", "generation_config.json"):
+        if (served / extra).is_file():
+            shutil.copyfile(served / extra, out / extra)
+    return out
+
+
 def mocker_command(
-    args: argparse.Namespace, config: Config, table: Path, role: str = "agg", count: int = 0
+    args: argparse.Namespace, config: Config, table: Path, model: Path, role: str = "agg", count: int = 0
 ) -> list[str]:
-    """``dynamo.mocker`` with ``count`` (default ``--workers``) engines of ``role`` (agg, prefill or decode), the
-    engine shape of the matching pool of the cluster config and the profile table ``table``."""
+    """``dynamo.mocker`` serving the folder ``model`` with ``count`` (default ``--workers``) engines of ``role``
+    (agg, prefill or decode), the engine shape of the matching pool of the cluster config and the profile table
+    ``table``."""
     pool = {"agg": config.colocated, "prefill": config.prefill, "decode": config.decode}[role]
     blocks = pool.kv_cache_bytes // (config.emulation.kv_bytes_per_token * config.block_size)
-    command = [str(DYNAMO_PYTHON), "-m", "dynamo.mocker", "--model-path", str(REPO / config.model.path),
+    command = [str(DYNAMO_PYTHON), "-m", "dynamo.mocker", "--model-path", str(model),
                "--model-name", args.model, "--num-workers", str(count or args.workers), "--discovery-backend",
                "file", "--block-size", str(config.block_size), "--num-gpu-blocks-override", str(blocks),
                "--max-num-seqs", str(pool.max_concurrent_requests), "--max-num-batched-tokens",
@@ -100,6 +129,7 @@ def dynamo_workers(args: argparse.Namespace, root: Path, deployment: str = "dyna
     root.mkdir(parents=True, exist_ok=True)
     config = cluster_config(args)
     table = profile_table(named_profile(config.emulation.profile), root / "mocker_profile.npz")
+    model = mocker_model(REPO / config.model.path, root / "model")
     store = root / "discovery"
     store.mkdir(exist_ok=True)
     processes = []
@@ -108,7 +138,7 @@ def dynamo_workers(args: argparse.Namespace, root: Path, deployment: str = "dyna
             log = root / f"mocker-{role}.log"
             print(f"[routers] starting {count} Dynamo mocker {role} engines (log {log}) ...", file=sys.stderr,
                   flush=True)  # fmt: skip
-            processes.append(_start(mocker_command(args, config, table, role, count), store, log))
+            processes.append(_start(mocker_command(args, config, table, model, role, count), store, log))
         yield store
     finally:
         for process in processes:

@@ -15,6 +15,7 @@ COLUMNS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("TTFT p90 ms", lambda s: f"{s['ttft_ms']['p90']:.1f}"),
     ("TPOT p50 ms", lambda s: f"{s['tpot_ms']['median']:.2f}"),
     ("TBT p90 ms", lambda s: f"{s['tbt_ms']['p90']:.1f}"),
+    ("TBT per token", lambda s: _per_token(s.get("tbt_per_token"))),
     ("hit rate", lambda s: f"{s['prefix_cache_hit_rate']:.1%}"),
     ("req/s", lambda s: f"{s['request_throughput']:.2f}"),
     ("tok/s", lambda s: f"{s['output_throughput']:.1f}"),
@@ -22,6 +23,11 @@ COLUMNS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("within SLO", lambda s: f"{s['slo_attainment']:.0%}"),
     ("done/failed", lambda s: f"{s['completed']}/{s['failed']}"),
 )
+
+
+def _per_token(share: float | None) -> str:
+    """The share of streams whose TBT is of their tokens' own gaps ("-": not recorded, or no stream of two)."""
+    return "-" if share is None or share != share else f"{share:.0%}"
 
 
 def _cells(summary: Mapping[str, Any]) -> list[str]:

@@ -186,7 +186,8 @@ def run_contender(
         s = record["summary"]
         shares = "/".join(f"{d['token_share']:.0%}" for d in record["workers"].values())
         print(f"[routers] {contender.label} {level.label}: TTFT p50 {s['ttft_ms']['median']:.1f} ms, TBT p90 "
-              f"{s['tbt_ms']['p90']:.1f} ms, hit {s['prefix_cache_hit_rate']:.1%}, "
+              f"{s['tbt_ms']['p90']:.1f} ms ({s['tbt_per_token']:.0%} per token), "
+              f"hit {s['prefix_cache_hit_rate']:.1%}, "
               f"{s['completed']}/{s['requests']} done, {s['slo_attainment']:.0%} within SLO, "
               f"worker token shares {shares}",
               file=sys.stderr, flush=True)  # fmt: skip

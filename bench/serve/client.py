@@ -56,7 +56,12 @@ class RequestResult:
         """
         if self.error or self.output_tokens < 2 or not self.itl:
             return None
-        return request_tbt(self.itl) if len(self.itl) + 1 >= self.output_tokens else self.tpot
+        return request_tbt(self.itl) if self.gap_per_token else self.tpot
+
+    @property
+    def gap_per_token(self) -> bool:
+        """Whether the stream carried a chunk per token, so that ``tbt`` is of the tokens' own gaps."""
+        return len(self.itl) + 1 >= self.output_tokens
 
 
 def error_reason(status: int, body: str) -> str:

@@ -90,6 +90,7 @@ def summarize(
         "ttft_ms": stat([r.ttft for r in done]),
         "tpot_ms": stat([r.tpot for r in done]),
         "tbt_ms": stat([r.tbt for r in done]),
+        "tbt_per_token": _share([r.gap_per_token for r in done if r.output_tokens >= 2]),
         "itl_ms": stat([gap for r in done for gap in r.itl]),
         "e2e_ms": stat([r.latency for r in done]),
         "request_throughput": len(done) * per_s,
@@ -104,6 +105,11 @@ def summarize(
         "goodput": good * per_s,
         "errors": dict(Counter(r.error for r in results if r.error is not None).most_common()),
     }
+
+
+def _share(flags: list[bool]) -> float:
+    """The share of true ``flags`` (NaN for none)."""
+    return sum(flags) / len(flags) if flags else math.nan
 
 
 def _s(ms: float | None) -> float | None:
@@ -128,6 +134,11 @@ def format_table(summary: dict[str, Any]) -> str:
         f"prefix-cache hit rate {summary['prefix_cache_hit_rate']:.1%} "
         f"({summary['cached_tokens']} of {summary['prompt_tokens']} prompt tokens)",
     ]
+    if summary["tbt_per_token"] < 1:  # NaN: no stream of two tokens
+        lines.append(
+            f"TBT of {summary['tbt_per_token']:.0%} of the streams from their tokens' gaps; the rest sent "
+            "fewer chunks than tokens: their mean gap (TPOT) stands in"
+        )
     lines += [f"error x{n}: {reason}" for reason, n in summary["errors"].items()]
     return "\n".join(lines)
 

@@ -96,15 +96,33 @@ def test_dynamo_mocker_gets_the_cluster_configs_engine_shape(tmp_path):
                               set=["colocated.max_concurrent_requests=64", "emulation.time_scale=2"],
                               model_overrides=(*TINY_MODEL, 'engine.backend="emulated"'), model="tiny-llama",
                               workers=16)  # fmt: skip
-    command = mocker_command(args, cluster_config(args), tmp_path / "table.npz")
+    command = mocker_command(args, cluster_config(args), tmp_path / "table.npz", tmp_path / "model")
     flags = dict(zip(command[3::2], command[4::2], strict=True))
     # deploy/emulated.toml: a 186 MiB colocated pool at 64 bytes a token in 16-token blocks, 8192-token chunks
     assert flags["--num-workers"] == "16" and flags["--block-size"] == "16"
     assert flags["--num-gpu-blocks-override"] == str(186 * 2**20 // (64 * 16))
     assert flags["--max-num-seqs"] == "64" and flags["--max-num-batched-tokens"] == "8192"
     assert flags["--speedup-ratio"] == "0.5"  # twice as slow, as our emulated workers at time_scale 2
-    assert flags["--model-path"].endswith("models/tiny-llama") and flags["--planner-profile-data"].endswith("table.npz")
+    assert flags["--model-path"] == str(tmp_path / "model") and flags["--planner-profile-data"].endswith("table.npz")
     assert "--disaggregation-mode" not in flags
+
+
+def test_every_id_the_mocker_emits_detokenizes_to_a_chunk_of_its_own(tmp_path):
+    """Dynamo's mocker samples ids past tiny-llama's vocabulary; its model folder makes each one text, and the
+    prompts' ids (the served vocabulary's) keep their meaning."""
+    from bench.compare.dynamo_live import MOCKER_IDS, mocker_model
+    from cli.local_cluster import REPO
+    from engine.tokenizer import load_tokenizer
+
+    served = REPO / "models/tiny-llama"
+    folder = mocker_model(served, tmp_path / "model")
+    ours, theirs = load_tokenizer(served), load_tokenizer(folder)
+    texts = [theirs.decode([i]) for i in MOCKER_IDS]
+    assert all(t and "\ufffd" not in t for t in texts) and len(set(texts)) == len(texts)
+    prompt = list(range(ours.get_vocab_size()))
+    assert theirs.decode(prompt) == ours.decode(prompt)
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] >= MOCKER_IDS.stop
+    assert (folder / "tokenizer_config.json").read_bytes() == (served / "tokenizer_config.json").read_bytes()
 
 
 def test_dynamo_pd_runs_the_split_and_pools_of_our_disaggregated_deployment(tmp_path):
@@ -118,7 +136,7 @@ def test_dynamo_pd_runs_the_split_and_pools_of_our_disaggregated_deployment(tmp_
     assert counts == {"prefill": 12, "decode": 4} and engine_counts(args, "dynamo") == {"agg": 16}
     config = cluster_config(args)
     flags = {role: dict(zip(c[3::2], c[4::2], strict=True)) for role in counts
-             for c in [mocker_command(args, config, tmp_path / "t.npz", role, counts[role])]}  # fmt: skip
+             for c in [mocker_command(args, config, tmp_path / "t.npz", tmp_path, role, counts[role])]}  # fmt: skip
     prefill, decode = flags["prefill"], flags["decode"]
     assert (prefill["--disaggregation-mode"], prefill["--num-workers"]) == ("prefill", "12")
     assert (decode["--disaggregation-mode"], decode["--num-workers"]) == ("decode", "4")
@@ -129,7 +147,7 @@ def test_dynamo_pd_runs_the_split_and_pools_of_our_disaggregated_deployment(tmp_
     # the transfer takes the profile's link time for the emulated model's KV, as our workers' model_link does
     assert prefill["--kv-bytes-per-token"] == str(320 * 1024) and prefill["--kv-transfer-bandwidth"] == "12.5"
     args.set = ["emulation.model_link=false"]
-    off = mocker_command(args, cluster_config(args), tmp_path / "t.npz", "decode", 4)
+    off = mocker_command(args, cluster_config(args), tmp_path / "t.npz", tmp_path, "decode", 4)
     assert off[off.index("--kv-transfer-bandwidth") + 1] == "0"
 
 

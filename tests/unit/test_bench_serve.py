@@ -16,7 +16,7 @@ import pytest
 from bench.provenance import command_line
 from bench.serve.cli import add_arguments, build_workload, pacing
 from bench.serve.client import RequestResult, error_reason
-from bench.serve.metrics import percentile, summarize, within_slo
+from bench.serve.metrics import format_table, percentile, summarize, within_slo
 from bench.serve.runner import _open_loop, arrival_times, poisson_arrivals
 from bench.serve.workloads import BenchRequest, TraceScale, load_trace, shared_prefix, trace_request
 
@@ -124,6 +124,9 @@ def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps_and_judges_goodput():
     # 21 tokens in 3 chunks (a server that sends several tokens a chunk): no gap per token, the mean stands in
     coalesced = RequestResult(100, 21, ttft=0.1, latency=1.1, itl=[0.5, 0.5], output_tokens=21)
     assert coalesced.tbt == pytest.approx(coalesced.tpot) == pytest.approx(0.05)
+    mixed = summarize([r, coalesced, rejected], 1.0)  # the summary says how many TBTs are of their tokens' gaps
+    assert mixed["tbt_per_token"] == 0.5 and "TBT of 50% of the streams" in format_table(mixed)
+    assert "streams" not in format_table(strict)
 
 
 def test_a_rate_scales_a_traces_own_arrivals_and_keeps_its_bursts():

@@ -14,7 +14,9 @@ from conftest_engine import make_tiny_model, prefill_then_decode, random_prompt
 from engine.emulated_runner import Emulation
 from engine.llm_engine import LLMEngine, generate
 from engine.sampling import SamplingParams
+from engine.tokenizer import load_tokenizer
 from scheduler.cost_model import DecodeModel, PrefillModel, TransferModel
+from services.conductor.detokenizer import Detokenizer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 EMULATION = Emulation(PrefillModel(0.002, 1e-5, 1e-9), DecodeModel(0.001, 1e-5, 1e-8), time_scale=0.5,
@@ -47,6 +49,17 @@ def test_outputs_are_the_same_on_every_path_and_depend_on_the_kv(model_dir: Path
     generate(cached, prompt, GREEDY)
     cached.kv_pool.data.zero_()  # the cached prefix's KV is lost, its blocks still indexed
     assert generate(cached, prompt, GREEDY) != expected
+
+
+def test_every_output_token_streams_as_a_chunk_of_its_own(model_dir: Path) -> None:
+    """A client measures TBT from the gaps between chunks: an emulated token must be one (tiny-llama's lone bytes
+    past ASCII would be held back by the detokenizer and sent with the next)."""
+    engine = _engine(model_dir)
+    detokenizer = Detokenizer(load_tokenizer(model_dir))
+    outputs = [generate(engine, random_prompt(50, seed=s), SamplingParams(max_tokens=40, temperature=0))
+               for s in range(5)]  # fmt: skip
+    assert all(detokenizer.add([t]) for out in outputs for t in out)
+    assert len({t for out in outputs for t in out}) > 20  # still spread over many ids
 
 
 def test_a_step_waits_the_profile_time_scaled(model_dir: Path) -> None:

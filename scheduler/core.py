@@ -168,7 +168,7 @@ class ConductorCore:
                     bookings[i].stalls = (*bookings[i].stalls, (hit, stall))
                     bookings[i].expected_decode_s += hit * stall  # it decodes that much longer
             elif (queued := _queued(d, now)).chunks:
-                hit, stall = queued.stalls(e.ttft, e.ttft + decode.expected_decode_s)
+                hit, stall = queued.stalls(e.ttft, expected_tokens)
                 decode.stalls = ((hit, stall),)
                 decode.expected_decode_s += hit * stall
         full = block_hashes[: n // shape.block_size]

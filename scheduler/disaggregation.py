@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from scheduler.candidates import DecodeCandidate, RequestShape
 from scheduler.policy import Plan, PolicyConfig, Rejection
-from scheduler.stalls import chunks_within, resident_tbts, tbt_with_stalls
+from scheduler.stalls import chunks_after, resident_tbts, tbt_with_stalls
 
 DYNAMO_MAX_LOCAL_TOKENS = 2048  # uncached tokens below which Dynamo prefills on the decode worker
 DYNAMO_MAX_LOCAL_SHARE = 0.7  # ... when they are also below this share of the prompt
@@ -55,11 +55,14 @@ class Queued:
     seconds: float = 0.0
     chunks: int = 0
 
-    def stalls(self, a: float, b: float) -> tuple[int, float]:
-        """(its steps within [a, b], how much longer each is)."""
+    def stalls(self, start: float, tokens: int) -> tuple[int, float]:
+        """(steps they stall of a request decoding ``tokens`` tokens from ``start``, how much longer each is).
+
+        The request takes a chunk with each of its steps while they last (``stalls.chunks_after``).
+        """
         if self.chunks <= 0 or self.seconds <= 0:
             return 0, 0.0
-        return chunks_within(self.chunks, 0.0, self.seconds, a, b), self.seconds / self.chunks
+        return min(chunks_after(self.chunks, 0.0, self.seconds, start), tokens), self.seconds / self.chunks
 
 
 def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str]:
@@ -91,7 +94,7 @@ def stalled_by_queued_prompts(plan: Plan, d: DecodeCandidate, queued: Queued, re
     start = plan.prefill.ttft
     step = d.predicted_tbt(start, request.num_prompt_tokens)
     tokens = max(1, request.output_tokens)
-    tbt = tbt_with_stalls(step, tokens, [queued.stalls(start, start + tokens * step)])
+    tbt = tbt_with_stalls(step, tokens, [queued.stalls(start, tokens)])
     if tbt <= max_tbt:
         return ""
     return (f"the {queued.seconds * 1e3:.0f} ms of prompts queued to prefill on {d.instance_id} would stall its "

@@ -30,25 +30,24 @@ def tbt_with_stalls(step: float, gaps: float, stalls: Sequence[tuple[int, float]
     return step + total / k
 
 
-def chunks_within(chunks: int, start: float, end: float, a: float, b: float) -> int:
-    """Of ``chunks`` steps spread evenly over [start, end], those within [a, b]."""
-    overlap = min(end, b) - max(start, a)
-    if overlap <= 0 or chunks <= 0:
+def chunks_after(chunks: int, start: float, end: float, t: float) -> int:
+    """Of ``chunks`` steps spread evenly over [start, end], those not yet run at ``t``."""
+    if chunks <= 0 or t >= end:
         return 0
-    return chunks if end <= start else min(chunks, math.ceil(chunks * overlap / (end - start)))
+    return chunks if t <= start else min(chunks, math.ceil(chunks * (end - t) / (end - start)))
 
 
 def stalled_steps(chunks: int, start: float, end: float, r: Resident, step: float) -> int:
     """Of a prompt's ``chunks`` steps over [start, end] on a colocated instance, those that stall resident r.
 
-    A request decoding when the prompt starts takes a chunk with each of its next steps, as many as it has
-    tokens left (its decode stretches with them; a time overlap would miss that); one that joins mid-way
-    takes the chunks after it.
+    Once both run, every step carries one chunk and one token of r: r takes the chunks not yet run when it
+    joins (all of them when it decodes before the prompt starts), as many as it has tokens left from then. Its
+    decode stretches with them, so a time overlap would miss most: a request that joins a long prompt's
+    chunking is stalled at every step until the prompt is done or it is.
     """
-    if r.t_join <= start:
-        left = math.ceil((r.t_leave - start) / step) if r.t_leave > start else 0
-        return min(chunks, left)
-    return chunks_within(chunks, start, end, r.t_join, r.t_leave)
+    t0 = max(r.t_join, start)
+    left = math.ceil((r.t_leave - t0) / step) if r.t_leave > t0 else 0
+    return min(chunks_after(chunks, start, end, r.t_join), left)
 
 
 def prompt_stalls(

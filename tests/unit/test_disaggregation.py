@@ -190,6 +190,23 @@ def test_a_request_prefilled_remotely_decodes_where_no_queued_prompt_stalls_it()
     assert isinstance(plan, Plan) and plan.decode_instance == "c0"
 
 
+def test_a_request_that_joins_a_long_prompts_chunking_is_stalled_at_every_step_until_it_ends():
+    """Ten 0.5 s chunks queued on c0 for 5 s: a request of 32 tokens at about 20 ms a step that starts decoding
+    there at once takes a chunk with each of its first ten steps (not the two that fit in its unstalled 0.66 s),
+    so its TBT (the mean of its 4 longest gaps) is about 0.52 s: it decodes on c1 instead."""
+    from scheduler.booking import Booking
+
+    p, c0, c1 = state("p0", "prefill"), state("c0", "colocated"), state("c1", "colocated")
+    _resident(c1, "r0", 1.0, context=4000)  # c1 decodes a little slower: the plain choice is c0
+    c0.prefilling.add("long", Booking(0.0, 5.0, 5120, 0, new_tokens=5120))
+    slo = Slo(max_ttft=10.0, max_tbt=0.3)
+    plan = core("length", local_prefill_max_tokens=1).decide_conditional(0.0, shape(1024, 32), {}, [p], [c0, c1], slo)
+    assert isinstance(plan, Plan) and plan.decode_instance == "c1"
+    # Booked on c0 all the same, it carries the ten stalls.
+    ConductorCore.book(0.0, "q", plan, shape(1024, 32), p, c0)
+    assert c0.decoding.items["q"].stalls == ((10, 0.5),)
+
+
 def test_a_colocated_request_counts_the_stall_it_causes_but_is_neither_steered_nor_refused_by_the_tbt_check():
     """The pure colocated path takes Algorithm 1's plan: a stall is a cost there, not an exclusion (docs/design.md)."""
     c0, c1 = state("c0", "colocated"), state("c1", "colocated")

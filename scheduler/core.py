@@ -71,17 +71,14 @@ class ConductorCore:
         pool: Sequence[InstanceState],
         slo: Slo,
         block_hashes: Sequence[Hashable],
-        avoid_stalls: bool = False,
     ) -> Plan | Rejection:
         """Algorithm 1 over colocated instances (both roles: their decode batches are computed once each).
 
         The cost of each instance already counts the stall its prompt's chunks impose on the requests decoding
-        there (``policy.shared_delay``). ``avoid_stalls`` (the conditional path, whose remote plan stalls no one):
-        with SLO admission, a plan whose prompt would push requests decoding there past the TBT SLO
-        (``stalls_past_tbt``) is re-planned without that instance, ``LOCAL_RETRIES`` times at most, and refused
-        when every plan tried pushes some. The pure colocated path takes Algorithm 1's plan as it is: re-planned
-        so, it took instances Algorithm 1 ranked worse for pushes mostly predicted, not measured, and served fewer
-        requests within the SLOs (docs/design.md).
+        there (``policy.shared_delay``). With SLO admission, a plan whose prompt would push requests decoding
+        there past the TBT SLO (``stalls_past_tbt``) is re-planned without that instance, ``LOCAL_RETRIES`` times
+        at most, and refused when every plan tried pushes some: a request pushed past the SLO is a miss as much
+        as a refused one, and the prompt would push it after it was admitted (docs/design.md).
         """
         hashes, bs = block_hashes, shape.block_size
         skipped: list[tuple[str, str]] = []  # (instance, why)
@@ -93,7 +90,7 @@ class ConductorCore:
                        for m in pool]  # fmt: skip
             decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
             plan = self.policy.schedule(prefill, decode, shape, slo, None, colocated=True)
-            if not isinstance(plan, Plan) or not (avoid_stalls and slo.reject):
+            if not isinstance(plan, Plan) or not slo.reject:
                 break
             there = next(m for m in pool if m.instance_id == plan.decode_instance)
             chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)
@@ -127,7 +124,7 @@ class ConductorCore:
 
         The two plans of Algorithm 1, compared by the ``disaggregation`` rule (``scheduler/disaggregation.py``).
         """
-        local = self._decide_local(now, shape, prefix_lens, mixed, slo, block_hashes, avoid_stalls=True)
+        local = self._decide_local(now, shape, prefix_lens, mixed, slo, block_hashes)
         on = {m.instance_id: m for m in mixed}
         if not prefills:
             return choose_path(self.policy.config, None, local, shape, _no_share)

@@ -207,17 +207,19 @@ def test_a_request_that_joins_a_long_prompts_chunking_is_stalled_at_every_step_u
     assert c0.decoding.items["q"].stalls == ((10, 0.5),)
 
 
-def test_a_colocated_request_counts_the_stall_it_causes_but_is_neither_steered_nor_refused_by_the_tbt_check():
-    """The pure colocated path takes Algorithm 1's plan: a stall is a cost there, not an exclusion (docs/design.md)."""
+def test_a_colocated_request_is_steered_off_an_instance_whose_residents_it_would_push_past_the_tbt_slo():
+    """The pure colocated path weighs the stall as a cost and, with SLO admission, re-plans as the conditional
+    path does: a request pushed past the SLO after it was admitted is a miss as much as a refused one."""
     c0, c1 = state("c0", "colocated"), state("c1", "colocated")
     _resident(c0, "short", 0.3)  # a few tokens left: a prompt's chunks would be most of its longest gaps
     slo = Slo(max_ttft=10.0, max_tbt=0.05)
-    plan = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)  # c0 holds 3/4 of it
-    assert isinstance(plan, Plan) and plan.prefill.instance_id == "c0" and "; not c0" not in plan.reason
-    holder, idle = (next(e for e in plan.candidates if e.instance_id == i) for i in ("c0", "c1"))
+    unchecked = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], Slo(10.0, 0.05, reject=False), True)
+    assert isinstance(unchecked, Plan) and unchecked.prefill.instance_id == "c0"  # c0 holds 3/4 of it: cheaper
+    holder, idle = (next(e for e in unchecked.candidates if e.instance_id == i) for i in ("c0", "c1"))
     assert holder.t_shared > idle.t_shared  # the stall it imposes on "short" counts against c0
-    # Enough requests decoding on c0 that stalling them all costs more than the prefix saves: c1 computes it whole.
-    for i in range(2):
-        _resident(c0, f"r{i}", 0.3)
     plan = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)
-    assert isinstance(plan, Plan) and plan.prefill.instance_id == "c1" and plan.prefill.prefix_len == 0
+    assert isinstance(plan, Plan) and plan.prefill.instance_id == "c1" and "; not c0: " in plan.reason
+    # With a request decoding on c1 too, every plan pushes one: refused, naming both.
+    _resident(c1, "short", 0.3)
+    refused = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)
+    assert isinstance(refused, Rejection) and refused.kind == "tbt_slo" and "on c0:" in refused.reason

@@ -905,3 +905,50 @@ def test_the_startup_readme_says_what_its_json_says():
         f"(warm {starts['builtin pd warm']} s)",
     ]
     _assert_quotes(flat, claims, "bench/results/engine/startup/README.md disagrees with startup.json")
+
+
+PER_TOKEN = SIM.parent / "scale" / "per-token"
+
+
+def _capacities(record):
+    """Each contender's bisected capacity: {spec: req/s}."""
+    return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
+
+
+def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_what_the_json_says():
+    """TBT of the tokens' own gaps on both sides; the capacities, ratios and TBTs the write-up and README quote."""
+    readme = " ".join((PER_TOKEN / "README.md").read_text().split())
+    record = json.loads((PER_TOKEN / "trace" / "routers.json").read_text())
+    assert record["code"] in readme and record["command"].split(" --out ")[0] + " --out DIR" in readme
+    summaries = _summaries(record)
+    assert all(s["tbt_per_token"] == 1.0 for levels in summaries.values() for s in levels.values())
+    cap = _capacities(record)
+    mixed, pd, colocated = cap["conductor:conditional"], cap["conductor:disaggregated"], cap["conductor"]
+    tbt = {spec: {lvl: s["tbt_ms"]["p90"] for lvl, s in levels.items()} for spec, levels in summaries.items()}
+    claims = [
+        f"| 12 prefill + 4 decode | {pd:g} | {cap['dynamo-pd:kv']:g} | {pd / cap['dynamo-pd:kv']:.2f}x |",
+        f"| 16 colocated (aggregated) | {colocated:g} | {cap['dynamo:kv']:g} | {colocated / cap['dynamo:kv']:.2f}x |",
+        f"| 12 prefill + 4 colocated, cost rule | {mixed:g} |",
+        f"**The mixed pool behind PD: {mixed:g} against {pd:g} req/s ({mixed / pd:.2f}x)**",
+        f"TBT p90 was {tbt['conductor:conditional'][f'rate={mixed:g}']:.0f} ms at {mixed:g} req/s",
+    ]
+    replan = json.loads((PER_TOKEN / "trace-replan" / "routers.json").read_text())
+    assert replan["code"] in readme and "--set 'scheduler.disaggregation=\"dynamo\"'" in replan["command"]
+    assert _workload(replan["command"].replace("--capacity 4 24", "--capacity 8 24")) == _workload(record["command"])
+    again, levels = _capacities(replan), _summaries(replan)
+    replanned, rule = again["conductor"], again["conductor:conditional"]
+    at = levels["conductor"][f"rate={replanned:g}"]
+    failed = levels["conductor:conditional"][
+        f"rate={replan['contenders']['conductor:conditional']['capacity'][0]['failing']:g}"
+    ]
+    by_rule = sum(n for why, n in failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
+    claims += [
+        f"| 16 colocated, re-planning (`trace-replan/`) | {replanned:g} | {cap['dynamo:kv']:g} | "
+        f"{replanned / cap['dynamo:kv']:.2f}x |",
+        f"| 12 prefill + 4 colocated, Dynamo's rule (`trace-replan/`) | {rule:g} |",
+        f"at {replanned:g} req/s its TBT p90 was {at['tbt_ms']['p90']:.0f} ms, and {at['failed']} of its 400",
+        f"{mixed / replanned:.2f}x the 16 colocated workers of the same 16 slots ({replanned:g}",
+        f"**{mixed / rule:.2f}x Dynamo's threshold rule in the same deployment** ({rule:g} req/s",
+        f"failed with {failed['failed']} of 400 refused, {by_rule} of them because the rule",
+    ]
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with the JSON")

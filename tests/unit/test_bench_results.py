@@ -949,6 +949,30 @@ def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_w
         f"**{mixed / rule:.2f}x Dynamo's threshold rule in the same deployment** ({rule:g} req/s",
         f"failed with {failed['failed']} of 400 refused, {by_rule} of them because the rule",
     ]
+    shared = json.loads((PER_TOKEN / "shared-prefix" / "routers.json").read_text())
+    assert shared["code"] in readme and shared["command"].split(" --out ")[0] + " --out DIR" in readme
+    assert all(s["tbt_per_token"] == 1.0 for levels in _summaries(shared).values() for s in levels.values())
+    s_cap, s_levels = _capacities(shared), _summaries(shared)
+    s_mixed, s_pd, s_colocated = s_cap["conductor:conditional"], s_cap["conductor:disaggregated"], s_cap["conductor"]
+    (both,) = [  # the one rate both ran where PD failed
+        lvl
+        for lvl in set(s_levels["conductor:conditional"]) & set(s_levels["conductor:disaggregated"])
+        if s_levels["conductor:disaggregated"][lvl]["slo_attainment"] < 0.9
+    ]
+    pd_failed = s_levels["conductor:disaggregated"][both]
+    claims += [
+        f"| 12 prefill + 4 decode | {s_pd:g} | {s_cap['dynamo-pd:kv']:g} | {s_pd / s_cap['dynamo-pd:kv']:.2f}x |",
+        f"| 16 colocated (aggregated), re-planning | {s_colocated:g} | {s_cap['dynamo:kv']:g} | "
+        f"{s_colocated / s_cap['dynamo:kv']:.2f}x |",
+        f"| 12 prefill + 4 colocated, cost rule | {s_mixed:g} |",
+        f"{s_mixed:g} req/s, {s_mixed / s_pd:.2f}x our PD split and {s_mixed / s_colocated:.2f}x our 16 colocated",
+        f"at {both.removeprefix('rate=')} req/s its TTFT p50 was "
+        f"{s_levels['conductor:conditional'][both]['ttft_ms']['median'] / 1000:.1f} s against "
+        f"{pd_failed['ttft_ms']['median'] / 1000:.1f} s for PD, which failed there on TTFT with "
+        f"{pd_failed['failed']} of 400",
+        f"TBT p90 at {s_levels['conductor:conditional'][f'rate={s_mixed:g}']['tbt_ms']['p90']:.0f} ms at "
+        f"{s_mixed:g} req/s",
+    ]
     _assert_quotes(readme, claims, "per-token/README.md disagrees with the JSON")
     front = " ".join((SIM.parents[2] / "README.md").read_text().split())
     front_claims = [
@@ -956,5 +980,6 @@ def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_w
         f"{replanned / cap['dynamo:kv']:.2f}x Dynamo aggregated on 16 colocated slots",
         f"held {mixed / rule:.2f}x Dynamo's threshold rule run in the same deployment, but {mixed / pd:.2f}x our own "
         "prefill/decode split",
+        f"the same pool led: {s_mixed / s_pd:.2f}x our split, which held {s_pd / s_cap['dynamo-pd:kv']:.2f}x Dynamo's",
     ]
     _assert_quotes(front, front_claims, "README.md disagrees with bench/results/scale/per-token")

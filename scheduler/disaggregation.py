@@ -66,20 +66,32 @@ class Queued:
 
 
 def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str]:
-    """How many requests decoding on d prefilling locally would push past the TBT SLO, and why ("" for none).
+    """How many requests decoding on d prefilling locally would push past the TBT SLO, and the TBTs it predicts.
 
     The prompt's compute comes in ``chunks`` engine steps, each a gap longer by its share of the compute, for
     every request decoding there while they run (``stalls.resident_tbts``). A request already past the SLO is
-    not counted again.
+    not counted again. The text says how far the stalled requests' TBTs go ("" when the prompt stalls none),
+    so that ``explain`` shows how close an admitted local plan came to the SLO.
     """
     e = plan.prefill
-    pushed = [after for before, after in resident_tbts(d, e.t_queue, e.t_prefill, chunks) if before <= max_tbt < after]
-    if not pushed:
+    tbts = list(resident_tbts(d, e.t_queue, e.t_prefill, chunks))
+    if not tbts:
         return 0, ""
-    whom = "a request" if len(pushed) == 1 else f"{len(pushed)} requests"
-    return len(pushed), (f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {max(1, chunks)} steps would push "
-                         f"{whom} decoding there to a TBT of up to {max(pushed) * 1e3:.0f} ms, over the SLO of "
-                         f"{max_tbt * 1e3:.0f} ms")  # fmt: skip
+    pushed = [after for before, after in tbts if before <= max_tbt < after]
+    compute = f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {max(1, chunks)} steps"
+    if not pushed:
+        kept = [after for _, after in tbts if after <= max_tbt]
+        past = f"{_requests(len(tbts) - len(kept))} already past the TBT SLO" if len(kept) < len(tbts) else ""
+        if not kept:
+            return 0, f"{compute} stalls only {past}"
+        within = f"{compute} keeps {_requests(len(kept))} decoding there within the TBT SLO"
+        return 0, f"{within} (up to {max(kept) * 1e3:.0f} ms)" + (f"; it stalls {past}" if past else "")
+    return len(pushed), (f"{compute} would push {_requests(len(pushed))} decoding there to a TBT of up to "
+                         f"{max(pushed) * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+
+
+def _requests(n: int) -> str:
+    return "a request" if n == 1 else f"{n} requests"
 
 
 def stalled_by_queued_prompts(plan: Plan, d: DecodeCandidate, queued: Queued, request: RequestShape,

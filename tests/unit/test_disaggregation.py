@@ -1,5 +1,7 @@
 """Conditional disaggregation: a request prefills on its decode instance or remotely, by cost or by a peer's rule."""
 
+import re
+
 import pytest
 
 from scheduler.candidates import RequestShape, Slo
@@ -161,16 +163,19 @@ def test_stalls_booked_on_a_request_add_up_until_the_next_local_prompt_would_bre
     p, c = state("p0", "prefill"), state("c0", "colocated")
     p.prefilling.add("queued", Booking(0.0, 2.0, 8000, 0))  # the pool is queued: local is cheaper while admitted
     _resident(c, "r0", 4.4)  # about 200 tokens: its TBT is the mean of its longest 20 gaps
-    local, slo = [], Slo(max_ttft=5.0, max_tbt=0.1)
+    local, slo, closest = [], Slo(max_ttft=5.0, max_tbt=0.1), []
     for i in range(8):
         plan = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
         assert isinstance(plan, Plan)
         local.append(is_local(plan))
+        if is_local(plan):  # explain says how close to the SLO it leaves the requests it stalls
+            closest.append(int(re.search(r"decoding there within the TBT SLO \(up to (\d+) ms\)", plan.reason)[1]))
         ConductorCore.book(0.0, f"q{i}", plan, shape(2048, output=8), c if is_local(plan) else p, c)
     booking = c.decoding.items["r0"]
     assert local[0] and not local[-1], local  # local while the resident absorbs the stalls, then remote
     assert booking.stalls and sum(n for n, _ in booking.stalls) >= 2 * local.count(True)  # 4 chunks of 512 each
     assert booking.expected_decode_s > 4.4  # the stalls stretch its decode
+    assert closest == sorted(closest) and closest[0] < closest[-1] <= 100, closest  # each adds to r0's stalls
     refused = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo).alternative
     assert isinstance(refused, Rejection) and "decoding there to a TBT of up to" in refused.reason
 

@@ -973,6 +973,19 @@ def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_w
         f"TBT p90 at {s_levels['conductor:conditional'][f'rate={s_mixed:g}']['tbt_ms']['p90']:.0f} ms at "
         f"{s_mixed:g} req/s",
     ]
+    s_rule_run = json.loads((PER_TOKEN / "shared-prefix-rule" / "routers.json").read_text())
+    assert s_rule_run["code"] in readme and "--set 'scheduler.disaggregation=\"dynamo\"'" in s_rule_run["command"]
+    assert _workload(s_rule_run["command"]) == _workload(shared["command"])
+    s_rule = _capacities(s_rule_run)["conductor:conditional"]
+    s_failing = s_rule_run["contenders"]["conductor:conditional"]["capacity"][0]["failing"]
+    s_failed = _summaries(s_rule_run)["conductor:conditional"][f"rate={s_failing:g}"]
+    s_by_rule = sum(n for why, n in s_failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
+    claims += [
+        f"| 12 prefill + 4 colocated, Dynamo's rule (`shared-prefix-rule/`) | {s_rule:g} |",
+        f"**{s_mixed / s_rule:.2f}x Dynamo's threshold rule in the same deployment** ({s_rule:g} req/s",
+        f"at {s_failing:g} req/s it failed with {s_failed['failed']} of 400 refused, all {s_by_rule} because",
+    ]
+    assert s_by_rule == s_failed["failed"]
     _assert_quotes(readme, claims, "per-token/README.md disagrees with the JSON")
     front = " ".join((SIM.parents[2] / "README.md").read_text().split())
     front_claims = [
@@ -980,6 +993,7 @@ def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_w
         f"{replanned / cap['dynamo:kv']:.2f}x Dynamo aggregated on 16 colocated slots",
         f"held {mixed / rule:.2f}x Dynamo's threshold rule run in the same deployment, but {mixed / pd:.2f}x our own "
         "prefill/decode split",
-        f"the same pool led: {s_mixed / s_pd:.2f}x our split, which held {s_pd / s_cap['dynamo-pd:kv']:.2f}x Dynamo's",
+        f"the same pool led: {s_mixed / s_pd:.2f}x our split, which held {s_pd / s_cap['dynamo-pd:kv']:.2f}x Dynamo's, "
+        f"and {s_mixed / s_rule:.2f}x Dynamo's threshold rule",
     ]
     _assert_quotes(front, front_claims, "README.md disagrees with bench/results/scale/per-token")

@@ -96,7 +96,7 @@ class ConductorCore:
             chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)
             pushed, why = stalls_past_tbt(plan, decode[pool.index(there)], slo.max_tbt, chunks)
             if not pushed:
-                notes = "".join(f"; {w}" for w in [why] if w) + "".join(f"; not {i}: {w}" for i, w in skipped)
+                notes = (f"; {why}" if why else "") + "".join(f"; not {i}: {w}" for i, w in skipped)
                 return replace(plan, reason=plan.reason + notes) if notes else plan
             skipped.append((there.instance_id, why))
             if fewest is None or pushed < fewest[0]:

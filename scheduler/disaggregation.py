@@ -79,15 +79,17 @@ def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int)
         return 0, ""
     pushed = [after for before, after in tbts if before <= max_tbt < after]
     compute = f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {max(1, chunks)} steps"
-    if not pushed:
-        kept = [after for _, after in tbts if after <= max_tbt]
-        past = f"{_requests(len(tbts) - len(kept))} already past the TBT SLO" if len(kept) < len(tbts) else ""
-        if not kept:
-            return 0, f"{compute} stalls only {past}"
-        within = f"{compute} keeps {_requests(len(kept))} decoding there within the TBT SLO"
-        return 0, f"{within} (up to {max(kept) * 1e3:.0f} ms)" + (f"; it stalls {past}" if past else "")
-    return len(pushed), (f"{compute} would push {_requests(len(pushed))} decoding there to a TBT of up to "
-                         f"{max(pushed) * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+    if pushed:
+        return len(pushed), (f"{compute} would push {_requests(len(pushed))} decoding there to a TBT of up to "
+                             f"{max(pushed) * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+    kept = [after for _, after in tbts if after <= max_tbt]  # the others were past the SLO before it
+    past = f"{_requests(len(tbts) - len(kept))} already past the TBT SLO"
+    if not kept:
+        return 0, f"{compute} stalls only {past}"
+    within = (
+        f"{compute} keeps {_requests(len(kept))} decoding there within the TBT SLO (up to {max(kept) * 1e3:.0f} ms)"
+    )
+    return 0, within + (f"; it stalls {past}" if len(kept) < len(tbts) else "")
 
 
 def _requests(n: int) -> str:

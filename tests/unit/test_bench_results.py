@@ -913,34 +913,55 @@ def _capacities(record):
     return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
 
 
-def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_what_the_json_says():
-    """TBT of the tokens' own gaps on both sides; the capacities, ratios and TBTs the write-up and README quote."""
-    readme = " ".join((PER_TOKEN / "README.md").read_text().split())
-    record = json.loads((PER_TOKEN / "trace" / "routers.json").read_text())
-    assert record["code"] in readme and record["command"].split(" --out ")[0] + " --out DIR" in readme
-    summaries = _summaries(record)
+PER_TOKEN_RUNS = ("trace", "trace-replan", "shared-prefix", "shared-prefix-rule", "shared-prefix-pd")
+
+
+def _per_token_readme():
+    return " ".join((PER_TOKEN / "README.md").read_text().split())
+
+
+def _per_token(folder):
+    """A per-token run: (its record, each contender's capacity, each contender's summary per level)."""
+    record = json.loads((PER_TOKEN / folder / "routers.json").read_text())
+    return record, _capacities(record), _summaries(record)
+
+
+@pytest.mark.parametrize("folder", PER_TOKEN_RUNS)
+def test_every_per_token_run_measures_every_stream_per_token_and_the_readme_names_its_code(folder):
+    """TBT of the tokens' own gaps on both sides, at every level; the write-up names the commit each ran."""
+    record, _, summaries = _per_token(folder)
     assert all(s["tbt_per_token"] == 1.0 for levels in summaries.values() for s in levels.values())
-    cap = _capacities(record)
+    assert record["code"] in _per_token_readme() and "uncommitted" not in record["code"]
+
+
+def test_the_per_token_trace_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    record, cap, summaries = _per_token("trace")
+    assert record["command"].split(" --out ")[0] + " --out DIR" in readme
     mixed, pd, colocated = cap["conductor:conditional"], cap["conductor:disaggregated"], cap["conductor"]
-    tbt = {spec: {lvl: s["tbt_ms"]["p90"] for lvl, s in levels.items()} for spec, levels in summaries.items()}
+    tbt = summaries["conductor:conditional"][f"rate={mixed:g}"]["tbt_ms"]["p90"]
     claims = [
         f"| 12 prefill + 4 decode | {pd:g} | {cap['dynamo-pd:kv']:g} | {pd / cap['dynamo-pd:kv']:.2f}x |",
         f"| 16 colocated (aggregated) | {colocated:g} | {cap['dynamo:kv']:g} | {colocated / cap['dynamo:kv']:.2f}x |",
         f"| 12 prefill + 4 colocated, cost rule | {mixed:g} |",
         f"**The mixed pool behind PD: {mixed:g} against {pd:g} req/s ({mixed / pd:.2f}x)**",
-        f"TBT p90 was {tbt['conductor:conditional'][f'rate={mixed:g}']:.0f} ms at {mixed:g} req/s",
+        f"TBT p90 was {tbt:.0f} ms at {mixed:g} req/s",
     ]
-    replan = json.loads((PER_TOKEN / "trace-replan" / "routers.json").read_text())
-    assert replan["code"] in readme and "--set 'scheduler.disaggregation=\"dynamo\"'" in replan["command"]
-    assert _workload(replan["command"].replace("--capacity 4 24", "--capacity 8 24")) == _workload(record["command"])
-    again, levels = _capacities(replan), _summaries(replan)
-    replanned, rule = again["conductor"], again["conductor:conditional"]
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with trace/routers.json")
+
+
+def test_the_per_token_trace_replan_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    first, cap, _ = _per_token("trace")
+    replan, again, levels = _per_token("trace-replan")
+    assert "--set 'scheduler.disaggregation=\"dynamo\"'" in replan["command"]
+    assert _workload(replan["command"].replace("--capacity 4 24", "--capacity 8 24")) == _workload(first["command"])
+    mixed, replanned, rule = cap["conductor:conditional"], again["conductor"], again["conductor:conditional"]
     at = levels["conductor"][f"rate={replanned:g}"]
-    failed = levels["conductor:conditional"][
-        f"rate={replan['contenders']['conductor:conditional']['capacity'][0]['failing']:g}"
-    ]
+    failing = replan["contenders"]["conductor:conditional"]["capacity"][0]["failing"]
+    failed = levels["conductor:conditional"][f"rate={failing:g}"]
     by_rule = sum(n for why, n in failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
-    claims += [
+    claims = [
         f"| 16 colocated, re-planning (`trace-replan/`) | {replanned:g} | {cap['dynamo:kv']:g} | "
         f"{replanned / cap['dynamo:kv']:.2f}x |",
         f"| 12 prefill + 4 colocated, Dynamo's rule (`trace-replan/`) | {rule:g} |",
@@ -949,61 +970,93 @@ def test_the_per_token_runs_measure_every_stream_per_token_and_the_readme_says_w
         f"**{mixed / rule:.2f}x Dynamo's threshold rule in the same deployment** ({rule:g} req/s",
         f"failed with {failed['failed']} of 400 refused, {by_rule} of them because the rule",
     ]
-    shared = json.loads((PER_TOKEN / "shared-prefix" / "routers.json").read_text())
-    assert shared["code"] in readme and shared["command"].split(" --out ")[0] + " --out DIR" in readme
-    assert all(s["tbt_per_token"] == 1.0 for levels in _summaries(shared).values() for s in levels.values())
-    s_cap, s_levels = _capacities(shared), _summaries(shared)
-    s_mixed, s_pd, s_colocated = s_cap["conductor:conditional"], s_cap["conductor:disaggregated"], s_cap["conductor"]
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-replan/routers.json")
+
+
+def test_the_per_token_shared_prefix_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    shared, cap, levels = _per_token("shared-prefix")
+    assert shared["command"].split(" --out ")[0] + " --out DIR" in readme
+    mixed, pd, colocated = cap["conductor:conditional"], cap["conductor:disaggregated"], cap["conductor"]
     (both,) = [  # the one rate both ran where PD failed
         lvl
-        for lvl in set(s_levels["conductor:conditional"]) & set(s_levels["conductor:disaggregated"])
-        if s_levels["conductor:disaggregated"][lvl]["slo_attainment"] < 0.9
+        for lvl in set(levels["conductor:conditional"]) & set(levels["conductor:disaggregated"])
+        if levels["conductor:disaggregated"][lvl]["slo_attainment"] < 0.9
     ]
-    pd_failed = s_levels["conductor:disaggregated"][both]
-    claims += [
-        f"| 12 prefill + 4 decode | {s_pd:g} | {s_cap['dynamo-pd:kv']:g} | {s_pd / s_cap['dynamo-pd:kv']:.2f}x |",
-        f"| 16 colocated (aggregated), re-planning | {s_colocated:g} | {s_cap['dynamo:kv']:g} | "
-        f"{s_colocated / s_cap['dynamo:kv']:.2f}x |",
-        f"| 12 prefill + 4 colocated, cost rule | {s_mixed:g} |",
-        f"{s_mixed:g} req/s, {s_mixed / s_pd:.2f}x our PD split and {s_mixed / s_colocated:.2f}x our 16 colocated",
+    pd_failed = levels["conductor:disaggregated"][both]
+    claims = [
+        f"| 12 prefill + 4 decode | {pd:g} | {cap['dynamo-pd:kv']:g} | {pd / cap['dynamo-pd:kv']:.2f}x |",
+        f"| 16 colocated (aggregated), re-planning | {colocated:g} | {cap['dynamo:kv']:g} | "
+        f"{colocated / cap['dynamo:kv']:.2f}x |",
+        f"| 12 prefill + 4 colocated, cost rule | {mixed:g} |",
+        f"{mixed:g} req/s, {mixed / pd:.2f}x our PD split and {mixed / colocated:.2f}x our 16 colocated",
         f"at {both.removeprefix('rate=')} req/s its TTFT p50 was "
-        f"{s_levels['conductor:conditional'][both]['ttft_ms']['median'] / 1000:.1f} s against "
+        f"{levels['conductor:conditional'][both]['ttft_ms']['median'] / 1000:.1f} s against "
         f"{pd_failed['ttft_ms']['median'] / 1000:.1f} s for PD, which failed there on TTFT with "
         f"{pd_failed['failed']} of 400",
-        f"TBT p90 at {s_levels['conductor:conditional'][f'rate={s_mixed:g}']['tbt_ms']['p90']:.0f} ms at "
-        f"{s_mixed:g} req/s",
+        f"TBT p90 at {levels['conductor:conditional'][f'rate={mixed:g}']['tbt_ms']['p90']:.0f} ms at {mixed:g} req/s",
     ]
-    s_rule_run = json.loads((PER_TOKEN / "shared-prefix-rule" / "routers.json").read_text())
-    assert s_rule_run["code"] in readme and "--set 'scheduler.disaggregation=\"dynamo\"'" in s_rule_run["command"]
-    assert _workload(s_rule_run["command"]) == _workload(shared["command"])
-    s_rule = _capacities(s_rule_run)["conductor:conditional"]
-    s_failing = s_rule_run["contenders"]["conductor:conditional"]["capacity"][0]["failing"]
-    s_failed = _summaries(s_rule_run)["conductor:conditional"][f"rate={s_failing:g}"]
-    s_by_rule = sum(n for why, n in s_failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
-    claims += [
-        f"| 12 prefill + 4 colocated, Dynamo's rule (`shared-prefix-rule/`) | {s_rule:g} |",
-        f"**{s_mixed / s_rule:.2f}x Dynamo's threshold rule in the same deployment** ({s_rule:g} req/s",
-        f"at {s_failing:g} req/s it failed with {s_failed['failed']} of 400 refused, all {s_by_rule} because",
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with shared-prefix/routers.json")
+
+
+def test_the_per_token_shared_prefix_rule_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    shared, cap, _ = _per_token("shared-prefix")
+    rule_run, rule_cap, levels = _per_token("shared-prefix-rule")
+    assert "--set 'scheduler.disaggregation=\"dynamo\"'" in rule_run["command"]
+    assert _workload(rule_run["command"]) == _workload(shared["command"])
+    mixed, rule = cap["conductor:conditional"], rule_cap["conductor:conditional"]
+    failing = rule_run["contenders"]["conductor:conditional"]["capacity"][0]["failing"]
+    failed = levels["conductor:conditional"][f"rate={failing:g}"]
+    by_rule = sum(n for why, n in failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
+    assert by_rule == failed["failed"]
+    claims = [
+        f"| 12 prefill + 4 colocated, Dynamo's rule (`shared-prefix-rule/`) | {rule:g} |",
+        f"**{mixed / rule:.2f}x Dynamo's threshold rule in the same deployment** ({rule:g} req/s",
+        f"at {failing:g} req/s it failed with {failed['failed']} of 400 refused, all {by_rule} because",
     ]
-    assert s_by_rule == s_failed["failed"]
-    pair = json.loads((PER_TOKEN / "shared-prefix-pd" / "routers.json").read_text())
-    assert pair["code"] in readme and _workload(pair["command"]) == _workload(
-        shared["command"].replace("--repeats 1", "--repeats 2")
-    )
-    runs = {spec: [b["capacity"] for b in c["capacity"]] for spec, c in pair["contenders"].items()}
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with shared-prefix-rule/routers.json")
+
+
+def _repeats(record):
+    """Each contender's capacities over its repeats: {spec: [req/s, ...]}."""
+    return {spec: [b["capacity"] for b in c["capacity"]] for spec, c in record["contenders"].items()}
+
+
+def test_the_per_token_shared_prefix_pd_pair_leads_by_more_than_its_spread_and_says_so():
+    readme = _per_token_readme()
+    shared, cap, _ = _per_token("shared-prefix")
+    pair, _, _ = _per_token("shared-prefix-pd")
+    assert _workload(pair["command"]) == _workload(shared["command"].replace("--repeats 1", "--repeats 2"))
+    runs = _repeats(pair)
     ours, theirs = runs["conductor:disaggregated"], runs["dynamo-pd:kv"]
     mean = {k: sum(v) / len(v) for k, v in runs.items()}
     lead = mean["conductor:disaggregated"] - mean["dynamo-pd:kv"]
     spread = [max(v) - min(v) for v in (ours, theirs)]
     assert lead > max(spread)
-    claims += [
+    pd = cap["conductor:disaggregated"]
+    claims = [
         f"two repeats: {mean['conductor:disaggregated'] / mean['dynamo-pd:kv']:.2f}x Dynamo's split",
         f"ours {ours[0]:g} and {ours[1]:g} req/s, mean {mean['conductor:disaggregated']:.2f}, spread {spread[0]:.2f}",
         f"Dynamo's {theirs[0]:g} and {theirs[1]:g}, mean {mean['dynamo-pd:kv']:.2f}, spread {spread[1]:.2f}",
         f"the lead of {lead:.2f} req/s",
-        f"it was {s_pd / s_cap['dynamo-pd:kv']:.2f}x ({s_pd:g} against {s_cap['dynamo-pd:kv']:g})",
+        f"it was {pd / cap['dynamo-pd:kv']:.2f}x ({pd:g} against {cap['dynamo-pd:kv']:g})",
     ]
-    _assert_quotes(readme, claims, "per-token/README.md disagrees with the JSON")
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with shared-prefix-pd/routers.json")
+
+
+def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
+    _, cap, _ = _per_token("trace")
+    _, again, _ = _per_token("trace-replan")
+    _, s_cap, _ = _per_token("shared-prefix")
+    _, s_rule_cap, _ = _per_token("shared-prefix-rule")
+    mixed, pd, replanned, rule = (cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor"],
+                                  again["conductor:conditional"])  # fmt: skip
+    s_mixed, s_pd, s_rule = (
+        s_cap["conductor:conditional"],
+        s_cap["conductor:disaggregated"],
+        s_rule_cap["conductor:conditional"],
+    )
     front = " ".join((SIM.parents[2] / "README.md").read_text().split())
     front_claims = [
         f"its SLO capacity was {pd / cap['dynamo-pd:kv']:.2f}x Dynamo's on the same 12 prefill + 4 decode split and "

@@ -913,7 +913,7 @@ def _capacities(record):
     return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
 
 
-PER_TOKEN_RUNS = ("trace", "trace-replan", "shared-prefix", "shared-prefix-rule", "shared-prefix-pd")
+PER_TOKEN_RUNS = ("trace", "trace-replan", "shared-prefix", "shared-prefix-rule", "shared-prefix-pd", "agent")
 
 
 def _per_token_readme():
@@ -1045,11 +1045,49 @@ def test_the_per_token_shared_prefix_pd_pair_leads_by_more_than_its_spread_and_s
     _assert_quotes(readme, claims, "per-token/README.md disagrees with shared-prefix-pd/routers.json")
 
 
+def test_the_per_token_agent_run_leads_by_more_than_its_spreads_and_says_what_its_json_says():
+    readme = _per_token_readme()
+    record, _, levels = _per_token("agent")
+    assert record["command"].split(" --out ")[0].replace("\n", " ") + " --out DIR" in readme
+    runs = _repeats(record)
+    claims = []
+    for row, ours, theirs in (
+        ("12 prefill + 4 decode", "conductor:disaggregated", "dynamo-pd:kv"),
+        ("16 colocated (aggregated), re-planning", "conductor", "dynamo:kv"),
+    ):
+        a, b = runs[ours], runs[theirs]
+        mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+        spread = max(max(a) - min(a), max(b) - min(b))
+        assert mean_a - mean_b > spread
+        claims.append(
+            f"| {row} | {a[0]:g}, {a[1]:g} (mean {mean_a:.2f}) | {b[0]:g}, {b[1]:g} (mean {mean_b:.2f}) | "
+            f"{mean_a / mean_b:.2f}x | {mean_a - mean_b:.2f} | {spread:.2f} |"
+        )
+
+    def failing(spec):
+        rate = record["contenders"][spec]["capacity"][0]["failing"]
+        return rate, levels[spec][f"rate={rate:g}"]
+
+    (r_pd, pd), (r_dpd, dpd) = failing("conductor:disaggregated"), failing("dynamo-pd:kv")
+    (r_col, col), (r_agg, agg) = failing("conductor"), failing("dynamo:kv")
+    claims += [
+        f"at {r_pd:g} req/s ours refused {pd['failed']} of 400 with TTFT p90 {pd['ttft_ms']['p90'] / 1000:.1f} s "
+        f"and TBT p90 {pd['tbt_ms']['p90']:.0f} ms",
+        f"at {r_dpd:g} req/s Dynamo's TTFT p90 was {dpd['ttft_ms']['p90'] / 1000:.1f} s "
+        f"({dpd['slo_attainment']:.1%} within the SLOs), with TBT p90 {dpd['tbt_ms']['p90']:.0f} ms",
+        f"(p90 {agg['tbt_ms']['p90']:.0f} ms at {r_agg:g} req/s, over the 600 ms SLO, {agg['slo_attainment']:.1%} within)",
+        f"p90 under it ({col['tbt_ms']['p90']:.0f} ms at {r_col:g} req/s) and fail on what they refuse "
+        f"({col['failed']} of 400 there, {col['slo_attainment']:.1%} within)",
+    ]
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with agent/routers.json")
+
+
 def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
     _, cap, _ = _per_token("trace")
     _, again, _ = _per_token("trace-replan")
     _, s_cap, _ = _per_token("shared-prefix")
     _, s_rule_cap, _ = _per_token("shared-prefix-rule")
+    agent = {spec: sum(runs) / len(runs) for spec, runs in _repeats(_per_token("agent")[0]).items()}
     mixed, pd, replanned, rule = (cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor"],
                                   again["conductor:conditional"])  # fmt: skip
     s_mixed, s_pd, s_rule = (
@@ -1065,5 +1103,7 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
         "prefill/decode split",
         f"the same pool led: {s_mixed / s_pd:.2f}x our split, which held {s_pd / s_cap['dynamo-pd:kv']:.2f}x Dynamo's, "
         f"and {s_mixed / s_rule:.2f}x Dynamo's threshold rule",
+        f"the Conductor held {agent['conductor:disaggregated'] / agent['dynamo-pd:kv']:.2f}x Dynamo's split and "
+        f"{agent['conductor'] / agent['dynamo:kv']:.2f}x Dynamo aggregated",
     ]
     _assert_quotes(front, front_claims, "README.md disagrees with bench/results/scale/per-token")

@@ -98,7 +98,7 @@ def print_status(config: Config, window_s: float = 0.0) -> int:
     metrics = ", ".join(f"{i.instance_id} http://{_record(i).metrics_address}/metrics" for i in status.instances)
     print(f"metrics: {metrics}")
     overheads = ", ".join(f"{path} {ms:.1f} ms" for path, ms in sorted(status.ttft_overhead_ms.items()))
-    print(f"learned TTFT overhead: {overheads}; joins counted up to {status.early_join_share:.0%} of TTFT early")
+    print(f"learned TTFT overhead: {overheads}")
     if status.store_json:
         store = InstanceRecord.from_json(json.loads(status.store_json))
         assert isinstance(store, StoreRecord), "the store record is not a store's"

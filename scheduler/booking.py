@@ -60,7 +60,6 @@ class Booking:
     # On a colocated instance: the steps of its decode that prompts prefilled there stall, booked as they were
     # (steps, seconds longer each): its TBT, the mean of its longest gaps, feels them.
     stalls: tuple[tuple[int, float], ...] = ()
-    early_s: float = 0.0  # how much sooner than expected_join it may join (scheduler/early_joins.py)
 
     def progress(self, now: float, tokens_out: int, expected_tokens: int) -> None:
         """``tokens_out`` output tokens are out by ``now`` of the ``expected_tokens`` it is now expected to produce.
@@ -79,7 +78,7 @@ class Booking:
         """The request as part of a decode batch, relative to ``now``."""
         if self.decode_started is None:  # not decoding yet, even if its prefill runs late
             join = max(OVERDUE_S, self.expected_join - now)
-            return Resident(join, join + self.expected_decode_s, self.context_tokens, self.stalls, self.early_s)
+            return Resident(join, join + self.expected_decode_s, self.context_tokens, self.stalls)
         join = self.decode_started - now
         return Resident(join, max(OVERDUE_S, join + self.expected_decode_s), self.context_tokens, self.stalls)
 

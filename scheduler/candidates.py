@@ -92,7 +92,6 @@ class Resident:
     t_leave: float  # when it is expected to finish
     context: int  # tokens it attends to
     stalls: tuple[tuple[int, float], ...] = ()  # its steps stalled by prompts prefilled there (Booking.stalls)
-    early: float = 0.0  # not decoding yet: how much sooner than t_join it may join (scheduler/early_joins.py)
 
 
 @dataclass(slots=True)

@@ -5,8 +5,7 @@ Per request::
     decide(now, shape, prefix_lens, prefills, decodes, slo, colocated)  -> Plan or Rejection (Algorithm 1)
     decide_conditional(...)  the same, where the decode instances may prefill too: remote or local, by cost
     book(now, request_id, plan, ...)        the prefill work on p, the decode footprint on d
-    prefill_done / decode_started / decode_progress / release as the request runs (each join teaches
-                                            ``EarlyJoins`` how much sooner than predicted requests join)
+    prefill_done / decode_started / decode_progress / release as the request runs
     observe_completion(tokens)              the output lengths that size future decode bookings
 
 On the colocated path the decode instance is the prefill instance the policy chose, with room for the
@@ -23,7 +22,6 @@ from scheduler.booking import Booking
 from scheduler.candidates import RequestShape, Slo
 from scheduler.cost_model import LinkModels
 from scheduler.disaggregation import Queued, choose_path, stalled_by_queued_prompts, stalls_past_tbt
-from scheduler.early_joins import EarlyJoins
 from scheduler.instance import InstanceState
 from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
@@ -39,7 +37,6 @@ class ConductorCore:
     policy: ConductorPolicy
     links: LinkModels
     output_lengths: OutputLengths = field(default_factory=OutputLengths)  # of the completions seen lately
-    early_joins: EarlyJoins = field(default_factory=EarlyJoins)  # how much sooner than predicted requests join
 
     def decide(
         self,
@@ -133,11 +130,8 @@ class ConductorCore:
             return choose_path(self.policy.config, None, local, shape, _no_share)
         remote = self.decide(now, shape, prefix_lens, prefills, mixed, slo, False, store, block_hashes)
 
-        early = self.early_joins.share()
-
         def stalled(plan: Plan, m: InstanceState) -> str:
-            queued = _queued(m, now)
-            return stalled_by_queued_prompts(plan, m.decode_candidate(now), queued, shape, slo.max_tbt, early)
+            return stalled_by_queued_prompts(plan, m.decode_candidate(now), _queued(m, now), shape, slo.max_tbt)
 
         if isinstance(remote, Plan) and slo.reject and (why := stalled(remote, on[remote.decode_instance])):
             calm = [m for m in mixed if not stalled(remote, m)]  # decode where no queued prompt stalls it
@@ -149,7 +143,8 @@ class ConductorCore:
 
         return choose_path(self.policy.config, remote, local, shape, share)
 
-    def book(self, now: float, request_id: Hashable, plan: Plan, shape: RequestShape, p: InstanceState,
+    @staticmethod
+    def book(now: float, request_id: Hashable, plan: Plan, shape: RequestShape, p: InstanceState,
              d: InstanceState, block_hashes: Sequence[Hashable] = ()) -> None:  # fmt: skip
         """Book the request's prefill work on p and its decode footprint (blocks, batch slot) on d.
 
@@ -157,12 +152,10 @@ class ConductorCore:
         ``block_hashes``: the prompt's full blocks, which p holds once the prefill is done (``decide`` counts
         them for the requests queued behind it). On a colocated d the steps that prompts prefilled there stall
         are booked on the requests decoding there (``Booking.stalls``): a prompt prefilled on d stalls those
-        decoding while it runs, and a request prefilled elsewhere is stalled by the prompts queued on d. Both
-        count from the request's earliest plausible join (``EarlyJoins``).
+        decoding while it runs, and a request prefilled elsewhere is stalled by the prompts queued on d.
         """
         n, e, expected_tokens = shape.num_prompt_tokens, plan.prefill, shape.output_tokens
-        early = e.ttft * self.early_joins.share()
-        decode = Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt, early_s=early)
+        decode = Booking(now, 0.0, n, shape.num_blocks, now + e.ttft, expected_tokens * plan.tbt)
         if d.role == "colocated":
             if p is d:
                 bookings = list(d.decoding.items.values())
@@ -172,7 +165,7 @@ class ConductorCore:
                     bookings[i].stalls = (*bookings[i].stalls, (hit, stall))
                     bookings[i].expected_decode_s += hit * stall  # it decodes that much longer
             elif (queued := _queued(d, now)).chunks:
-                hit, stall = queued.stalls(e.ttft - early, expected_tokens)
+                hit, stall = queued.stalls(e.ttft, expected_tokens)
                 decode.stalls = ((hit, stall),)
                 decode.expected_decode_s += hit * stall
         full = block_hashes[: n // shape.block_size]
@@ -192,23 +185,20 @@ class ConductorCore:
         """The request's prefill finished (or failed): the next one on p starts now."""
         p.prefilling.prefill_done(request_id, now)
 
-    def decode_started(self, d: InstanceState, request_id: Hashable, now: float) -> None:
+    @staticmethod
+    def decode_started(d: InstanceState, request_id: Hashable, now: float) -> None:
         """The request's first token is out: it decodes on d from now."""
         booking = d.decoding.items.get(request_id)
         if booking is not None and booking.decode_started is None:
             booking.decode_started = now
-            self.early_joins.observe(booking.assigned_at, booking.expected_join, now)
 
     def decode_progress(
         self, d: InstanceState, request_id: Hashable, now: float, tokens_out: int, max_tokens: int, fixed: bool
     ) -> None:
         """``tokens_out`` of the request's output tokens are out (the live Conductor, as they stream)."""
         booking = d.decoding.items.get(request_id)
-        if booking is None:
-            return
-        if booking.decode_started is None:
-            self.decode_started(d, request_id, now)
-        booking.progress(now, tokens_out, self.expected_output_tokens(max_tokens, fixed, tokens_out))
+        if booking is not None:
+            booking.progress(now, tokens_out, self.expected_output_tokens(max_tokens, fixed, tokens_out))
 
     @staticmethod
     def release(request_id: Hashable, now: float, *instances: InstanceState) -> None:

@@ -97,15 +97,15 @@ def _requests(n: int) -> str:
 
 
 def stalled_by_queued_prompts(plan: Plan, d: DecodeCandidate, queued: Queued, request: RequestShape,
-                              max_tbt: float, early: float = 0.0) -> str:  # fmt: skip
+                              max_tbt: float) -> str:  # fmt: skip
     """Why decoding on d (a colocated instance) would break the request's own TBT SLO ("" when it would not).
 
     The ``queued`` prompts' steps are each a gap longer by its share of their compute, for every request
-    decoding there while they run: this one from its TTFT on, or ``early`` of it sooner (``EarlyJoins.share``).
+    decoding there while they run: this one from its TTFT on.
     """
     if queued.chunks <= 0:
         return ""
-    start = plan.prefill.ttft * (1.0 - early)
+    start = plan.prefill.ttft
     step = d.predicted_tbt(start, request.num_prompt_tokens)
     tokens = max(1, request.output_tokens)
     tbt = tbt_with_stalls(step, tokens, [queued.stalls(start, tokens)])

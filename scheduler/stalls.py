@@ -43,13 +43,11 @@ def stalled_steps(chunks: int, start: float, end: float, r: Resident, step: floa
     Once both run, every step carries one chunk and one token of r: r takes the chunks not yet run when it
     joins (all of them when it decodes before the prompt starts), as many as it has tokens left from then. Its
     decode stretches with them, so a time overlap would miss most: a request that joins a long prompt's
-    chunking is stalled at every step until the prompt is done or it is. A request not decoding yet is
-    counted from its earliest plausible join (``Resident.early``): one that comes sooner takes more chunks.
+    chunking is stalled at every step until the prompt is done or it is.
     """
-    join = r.t_join - r.early
-    t0 = max(join, start)
+    t0 = max(r.t_join, start)
     left = math.ceil((r.t_leave - t0) / step) if r.t_leave > t0 else 0
-    return min(chunks_after(chunks, start, end, join), left)
+    return min(chunks_after(chunks, start, end, r.t_join), left)
 
 
 def prompt_stalls(
@@ -61,7 +59,7 @@ def prompt_stalls(
     the batch of requests decoding meanwhile, those booked to start meanwhile included.
     """
     end = start + t_prefill
-    batch = [i for i, r in enumerate(residents) if r.t_join - r.early < end and r.t_leave > 0]
+    batch = [i for i, r in enumerate(residents) if r.t_join < end and r.t_leave > 0]
     if not batch or t_prefill <= 0:
         return
     step = model.predict(len(batch), sum(residents[i].context for i in batch))

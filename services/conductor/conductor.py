@@ -198,7 +198,6 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             prediction_errors=self.errors.summary(window),
             latencies=self.errors.latencies(window),
             ttft_overhead_ms={path: o.value(now) * 1e3 for path, o in self.overheads.items()},
-            early_join_share=self.core.early_joins.share(),
             links=[
                 conductor_pb2.LinkStatus(
                     source=src,

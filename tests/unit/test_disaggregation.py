@@ -170,7 +170,7 @@ def test_stalls_booked_on_a_request_add_up_until_the_next_local_prompt_would_bre
         local.append(is_local(plan))
         if is_local(plan):  # explain says how close to the SLO it leaves the requests it stalls
             closest.append(int(re.search(r"decoding there within the TBT SLO \(up to (\d+) ms\)", plan.reason)[1]))
-        core().book(0.0, f"q{i}", plan, shape(2048, output=8), c if is_local(plan) else p, c)
+        ConductorCore.book(0.0, f"q{i}", plan, shape(2048, output=8), c if is_local(plan) else p, c)
     booking = c.decoding.items["r0"]
     assert local[0] and not local[-1], local  # local while the resident absorbs the stalls, then remote
     assert booking.stalls and sum(n for n, _ in booking.stalls) >= 2 * local.count(True)  # 4 chunks of 512 each
@@ -208,7 +208,7 @@ def test_a_request_that_joins_a_long_prompts_chunking_is_stalled_at_every_step_u
     plan = core("length", local_prefill_max_tokens=1).decide_conditional(0.0, shape(1024, 32), {}, [p], [c0, c1], slo)
     assert isinstance(plan, Plan) and plan.decode_instance == "c1"
     # Booked on c0 all the same, it carries the ten stalls.
-    core().book(0.0, "q", plan, shape(1024, 32), p, c0)
+    ConductorCore.book(0.0, "q", plan, shape(1024, 32), p, c0)
     assert c0.decoding.items["q"].stalls == ((10, 0.5),)
 
 

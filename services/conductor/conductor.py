@@ -43,6 +43,7 @@ from scheduler.core import ConductorCore
 from scheduler.cost_model import LinkModels, TransferModel
 from scheduler.disaggregation import is_local
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection
+from scheduler.sim.metrics import request_tbt
 from scheduler.ttft_overhead import TtftOverhead
 from services.common import metrics
 from services.common.config import Config, WorkerConfig
@@ -775,8 +776,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             metrics.ITL.labels(job.path).observe(gap)
         metrics.PROMPT_TOKENS.inc(len(job.prompt))
         metrics.CACHED_TOKENS.inc(cached_tokens)
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         trace.get_current_span().set_attributes(
             {"kvconductor.ttft_ms": ttft * 1e3, "kvconductor.tbt_ms": tbt * 1e3,
+             "kvconductor.tbt_slo_ms": request_tbt(gaps) * 1e3, "kvconductor.tbt_max_ms": max(gaps, default=0.0) * 1e3,
              "kvconductor.completion_tokens": completion_tokens, "kvconductor.cached_tokens": cached_tokens}
         )  # fmt: skip
         if job.decision is not None:

@@ -54,6 +54,10 @@ def test_one_trace_spans_gateway_conductor_prefill_transfer_and_decode(cluster):
         "kvconductor-prefill"
     ]
     assert {"kvconductor.v1.Decode/Reserve", "kvconductor.v1.Decode/Decode"} <= by_service["kvconductor-decode"]
+    # As the Conductor relayed them: the SLO's TBT (mean of the longest tenth of 6 tokens' 5 gaps: the longest)
+    relayed = generate[0]["attributes"]
+    assert relayed["kvconductor.completion_tokens"] == 6
+    assert relayed["kvconductor.tbt_slo_ms"] == relayed["kvconductor.tbt_max_ms"] >= relayed["kvconductor.tbt_ms"] >= 0
     schedule = next(s for s in in_trace if s["name"] == "conductor.schedule")["attributes"]
     assert schedule["kvconductor.decision.prefill_instance"].startswith("prefill-")
     assert schedule["kvconductor.decision.predicted_ttft_ms"] > 0

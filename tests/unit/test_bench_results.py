@@ -1075,7 +1075,8 @@ def test_the_per_token_agent_run_leads_by_more_than_its_spreads_and_says_what_it
         f"and TBT p90 {pd['tbt_ms']['p90']:.0f} ms",
         f"at {r_dpd:g} req/s Dynamo's TTFT p90 was {dpd['ttft_ms']['p90'] / 1000:.1f} s "
         f"({dpd['slo_attainment']:.1%} within the SLOs), with TBT p90 {dpd['tbt_ms']['p90']:.0f} ms",
-        f"(p90 {agg['tbt_ms']['p90']:.0f} ms at {r_agg:g} req/s, over the 600 ms SLO, {agg['slo_attainment']:.1%} within)",
+        f"(p90 {agg['tbt_ms']['p90']:.0f} ms at {r_agg:g} req/s, over the 600 ms SLO, "
+        f"{agg['slo_attainment']:.1%} within)",
         f"p90 under it ({col['tbt_ms']['p90']:.0f} ms at {r_col:g} req/s) and fail on what they refuse "
         f"({col['failed']} of 400 there, {col['slo_attainment']:.1%} within)",
     ]

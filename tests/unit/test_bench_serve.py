@@ -129,6 +129,33 @@ def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps_and_judges_goodput():
     assert "streams" not in format_table(strict)
 
 
+def test_the_client_times_the_chunks_that_carry_text_only(monkeypatch):
+    """A chat stream: the role chunk and token 0 together, then tokens 1 and 2, a finish chunk, the usage."""
+    from bench.serve import client
+
+    clock = iter([1.0, 1.5, 1.8])  # the times of the three chunks with text
+    monkeypatch.setattr(client.time, "perf_counter", lambda: next(clock))
+    r = RequestResult(10, 3)
+    timer = client._Timer(r, 0.0)
+    for data in (
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "a"}}]},
+        {"choices": [{"delta": {"content": "b"}}]},
+        {"choices": [{"delta": {"content": "c"}}]},
+        {"choices": [{"delta": {}, "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3}},
+    ):
+        timer.on_data(data)
+    timer.finish()
+    assert r.ttft == 1.0 and r.itl == pytest.approx([0.5, 0.3]) and r.latency == 1.8
+    assert r.output_tokens == 3 and r.gap_per_token and r.tbt == pytest.approx(0.5)
+    empty = RequestResult(10, 3)
+    timer = client._Timer(empty, 0.0)
+    timer.on_data({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    timer.finish()
+    assert empty.ttft is None and empty.error == "no tokens: the stream ended without a chunk of text"
+
+
 def test_a_rate_scales_a_traces_own_arrivals_and_keeps_its_bursts():
     trace = [BenchRequest((65,), 1, t) for t in (0.0, 0.1, 0.2, 9.0)]
     assert arrival_times(trace, None, 0) == [0.0, 0.1, 0.2, 9.0]

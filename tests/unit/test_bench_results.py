@@ -926,6 +926,17 @@ def _per_token(folder):
     return record, _capacities(record), _summaries(record)
 
 
+def _first_failing(record, spec):
+    """(rate, summary) of the contender's first failing rate in its first bisection."""
+    rate = record["contenders"][spec]["capacity"][0]["failing"]
+    return rate, _summaries(record)[spec][f"rate={rate:g}"]
+
+
+def _pushed_by_rule(summary):
+    """Requests refused because Dynamo's rule put the prompt where it would push residents past the TBT SLO."""
+    return sum(n for why, n in summary["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
+
+
 @pytest.mark.parametrize("folder", PER_TOKEN_RUNS)
 def test_every_per_token_run_measures_every_stream_per_token_and_the_readme_names_its_code(folder):
     """TBT of the tokens' own gaps on both sides, at every level; the write-up names the commit each ran."""
@@ -958,9 +969,8 @@ def test_the_per_token_trace_replan_run_says_what_its_json_says():
     assert _workload(replan["command"].replace("--capacity 4 24", "--capacity 8 24")) == _workload(first["command"])
     mixed, replanned, rule = cap["conductor:conditional"], again["conductor"], again["conductor:conditional"]
     at = levels["conductor"][f"rate={replanned:g}"]
-    failing = replan["contenders"]["conductor:conditional"]["capacity"][0]["failing"]
-    failed = levels["conductor:conditional"][f"rate={failing:g}"]
-    by_rule = sum(n for why, n in failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
+    _, failed = _first_failing(replan, "conductor:conditional")
+    by_rule = _pushed_by_rule(failed)
     claims = [
         f"| 16 colocated, re-planning (`trace-replan/`) | {replanned:g} | {cap['dynamo:kv']:g} | "
         f"{replanned / cap['dynamo:kv']:.2f}x |",
@@ -1002,13 +1012,12 @@ def test_the_per_token_shared_prefix_run_says_what_its_json_says():
 def test_the_per_token_shared_prefix_rule_run_says_what_its_json_says():
     readme = _per_token_readme()
     shared, cap, _ = _per_token("shared-prefix")
-    rule_run, rule_cap, levels = _per_token("shared-prefix-rule")
+    rule_run, rule_cap, _ = _per_token("shared-prefix-rule")
     assert "--set 'scheduler.disaggregation=\"dynamo\"'" in rule_run["command"]
     assert _workload(rule_run["command"]) == _workload(shared["command"])
     mixed, rule = cap["conductor:conditional"], rule_cap["conductor:conditional"]
-    failing = rule_run["contenders"]["conductor:conditional"]["capacity"][0]["failing"]
-    failed = levels["conductor:conditional"][f"rate={failing:g}"]
-    by_rule = sum(n for why, n in failed["errors"].items() if "would push" in why and "by Dynamo's rule" in why)
+    failing, failed = _first_failing(rule_run, "conductor:conditional")
+    by_rule = _pushed_by_rule(failed)
     assert by_rule == failed["failed"]
     claims = [
         f"| 12 prefill + 4 colocated, Dynamo's rule (`shared-prefix-rule/`) | {rule:g} |",
@@ -1047,7 +1056,7 @@ def test_the_per_token_shared_prefix_pd_pair_leads_by_more_than_its_spread_and_s
 
 def test_the_per_token_agent_run_leads_by_more_than_its_spreads_and_says_what_its_json_says():
     readme = _per_token_readme()
-    record, _, levels = _per_token("agent")
+    record, _, _ = _per_token("agent")
     assert record["command"].split(" --out ")[0].replace("\n", " ") + " --out DIR" in readme
     runs = _repeats(record)
     claims = []
@@ -1063,13 +1072,8 @@ def test_the_per_token_agent_run_leads_by_more_than_its_spreads_and_says_what_it
             f"| {row} | {a[0]:g}, {a[1]:g} (mean {mean_a:.2f}) | {b[0]:g}, {b[1]:g} (mean {mean_b:.2f}) | "
             f"{mean_a / mean_b:.2f}x | {mean_a - mean_b:.2f} | {spread:.2f} |"
         )
-
-    def failing(spec):
-        rate = record["contenders"][spec]["capacity"][0]["failing"]
-        return rate, levels[spec][f"rate={rate:g}"]
-
-    (r_pd, pd), (r_dpd, dpd) = failing("conductor:disaggregated"), failing("dynamo-pd:kv")
-    (r_col, col), (r_agg, agg) = failing("conductor"), failing("dynamo:kv")
+    (r_pd, pd), (r_dpd, dpd) = _first_failing(record, "conductor:disaggregated"), _first_failing(record, "dynamo-pd:kv")
+    (r_col, col), (r_agg, agg) = _first_failing(record, "conductor"), _first_failing(record, "dynamo:kv")
     claims += [
         f"at {r_pd:g} req/s ours refused {pd['failed']} of 400 with TTFT p90 {pd['ttft_ms']['p90'] / 1000:.1f} s "
         f"and TBT p90 {pd['tbt_ms']['p90']:.0f} ms",

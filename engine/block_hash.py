@@ -34,15 +34,18 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256((_ROOT if parent is None else parent) + payload).digest()
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
     """Return the chained hashes of every full block of ``token_ids`` (a partial tail is skipped).
 
-    The same hashes as ``hash_block`` block after block, computed in C (``engine/_block_hash.c``): the
-    Conductor hashes every prompt, so this is on the request path.
+    ``parent``: the hash of the block just before ``token_ids`` (None: they start the sequence). The same
+    hashes as ``hash_block`` block after block, computed in C (``engine/_block_hash.c``): the Conductor hashes
+    every prompt, and an engine every block its requests fill, so this is on the request path.
     """
     _check_block_size(block_size)
+    if parent is not None and len(parent) != 32:
+        raise ValueError(f"parent must be a 32-byte block hash, got {len(parent)} bytes")
     try:
-        return chain(token_ids, block_size, _ROOT)
+        return chain(token_ids, block_size, _ROOT if parent is None else parent)
     except TypeError:
         raise ValueError("token_ids must all be integers") from None
 

@@ -14,7 +14,7 @@ the pool; the last sampled token never has KV yet)::
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.block_hash import hash_block
+from engine.block_hash import prefix_block_hashes
 from engine.sampling import SamplingParams
 
 
@@ -64,18 +64,28 @@ class Request:
         """True while part of the prompt still has no KV."""
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end`` of the prompt followed by the output, without copying the rest of either."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return output[start - n : end - n]
+        return prompt[start:] + output[: end - n]
+
     def next_token_ids(self, num_tokens: int) -> list[int]:
         """The ``num_tokens`` tokens after the computed ones (the next chunk to run)."""
-        start, num_prompt = self.num_computed_tokens, self.num_prompt_tokens
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : start - num_prompt + num_tokens]
-        return self.token_ids[start : start + num_tokens]
+        return self.tokens(self.num_computed_tokens, self.num_computed_tokens + num_tokens)
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
-        """Extend ``block_hashes`` to every full block of the first ``num_tokens`` tokens and return them."""
-        tokens = self.token_ids
-        while (len(self.block_hashes) + 1) * block_size <= num_tokens:
-            start = len(self.block_hashes) * block_size
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block(parent, tokens[start : start + block_size]))
+        """Extend ``block_hashes`` to every full block of the first ``num_tokens`` tokens and return them.
+
+        Called for every request at every step: it hashes only the blocks completed since (in C, all at once).
+        """
+        done, full = len(self.block_hashes), num_tokens // block_size
+        if full > done:
+            parent = self.block_hashes[-1] if done else None
+            tokens = self.tokens(done * block_size, full * block_size)
+            self.block_hashes.extend(prefix_block_hashes(tokens, block_size, parent))
         return self.block_hashes

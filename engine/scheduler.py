@@ -189,6 +189,8 @@ class Scheduler:
         """Register the request's newly completed full blocks in the prefix cache."""
         manager = self.block_manager
         hashes = request.full_block_hashes(manager.block_size, request.num_computed_tokens)
+        if len(hashes) == request.num_committed_blocks:  # no block completed since (most decode steps)
+            return
         manager.commit_full_blocks(request.block_table, hashes, request.token_ids, request.num_committed_blocks)
         request.num_committed_blocks = len(hashes)
 

@@ -13,6 +13,8 @@ from engine.block_hash import (
     packed_token_ids,
     prefix_block_hashes,
 )
+from engine.request import Request
+from engine.sampling import SamplingParams
 from kvconductor.v1 import conductor_pb2
 
 GOLDEN_FIRST_BLOCK = "e8332a3d847160bd9f01c6bf445eec08b277e69ffaa9d0b28d96a6e5279e3f7b"
@@ -74,6 +76,22 @@ def test_the_native_chain_equals_hash_block_block_after_block(block_size: int) -
         expected.append(parent)
     assert prefix_block_hashes(tokens, block_size) == expected
     assert prefix_block_hashes(tuple(tokens), block_size) == expected
+    # continued from any block's hash: the rest of the chain
+    cut = len(expected) // 3
+    rest = tokens[cut * block_size :]
+    assert prefix_block_hashes(rest, block_size, expected[cut - 1] if cut else None) == expected[cut:]
+
+
+def test_a_request_hashes_its_blocks_step_by_step_as_the_whole_sequence_at_once() -> None:
+    """An engine extends a request's hashes at every step, across its prompt and its output."""
+    rng = random.Random(5)
+    request = Request("r", [rng.randrange(2**32) for _ in range(37)], SamplingParams())
+    for step in range(40):
+        request.output_token_ids.append(rng.randrange(2**32))
+        request.full_block_hashes(4, 37 + step // 3)  # some steps complete no block, some several
+    whole = request.prompt_token_ids + request.output_token_ids
+    assert request.full_block_hashes(4, len(whole)) == prefix_block_hashes(whole, 4)
+    assert request.tokens(30, 45) == whole[30:45]
 
 
 @pytest.mark.parametrize(("tokens", "message"), [([-1] * 4, "unsigned 32-bit"), ([2**32] * 4, "unsigned 32-bit"),

@@ -12,8 +12,9 @@ these contenders, one after the other:
 - ``sglang:POLICY`` / ``vllm:POLICY``: ``python -m sglang_router.launch_router`` or
   ``python -m vllm_router.launch_router`` (the PyPI packages ``sglang-router`` and ``vllm-router``)
   started on a free port with ``--worker-urls`` = every worker's ``openai_url`` (the OpenAI API each
-  colocated worker serves itself, read from its etcd record), then stopped after its runs. The clusters
-  run with ``[engine] zmq_kv_events``, so ``vllm:kv_aware`` subscribes to every worker's KV events in
+  colocated worker serves itself, read from its etcd record), then stopped after its runs. A cluster that
+  a ``vllm:kv_aware`` contender runs on has ``[engine] zmq_kv_events`` on (the others off: the feed costs
+  the workers' event loops about 1 ms per 12k-token prompt), so ``vllm:kv_aware`` subscribes to every worker's KV events in
   vLLM's ZMQ format (``--kv-event-source URL=ENDPOINT``, the endpoint from the worker's etcd record),
   and with ``[scheduler] worker_endpoint_admission`` off: a worker's own endpoint queues every request as a
   stock vLLM or SGLang server does (``--set scheduler.worker_endpoint_admission=true`` gives the peers our
@@ -259,15 +260,22 @@ def deployment_overrides(deployment: str, args: argparse.Namespace) -> tuple[str
 
 
 @contextmanager
-def cluster_manifest(args: argparse.Namespace, root: Path, deployment: str) -> Iterator[dict[str, Any]]:
-    """cluster.json of the cluster to use: ``--cluster-json``'s (colocated only), or one started here."""
+def cluster_manifest(
+    args: argparse.Namespace, root: Path, deployment: str, kv_events: bool
+) -> Iterator[dict[str, Any]]:
+    """cluster.json of the cluster to use: ``--cluster-json``'s (colocated only), or one started here.
+
+    ``kv_events``: the workers also publish their KV events in vLLM's ZMQ format, for vllm-router's kv_aware
+    policy. Only where such a contender runs: building that feed takes a worker's event loop about 1 ms per
+    12k-token prompt (on an idle core), which the other contenders on the cluster would pay for nothing.
+    """
     if args.cluster_json and deployment == "colocated":
         yield json.loads(Path(args.cluster_json).read_text())
         return
-    # the workers' KV events in vLLM's ZMQ format too, for vllm-router's kv_aware policy; their own OpenAI
-    # endpoints admit everything, as the stock servers the peer routers are built for do
-    overrides = [*args.model_overrides, "engine.zmq_kv_events=true", "scheduler.worker_endpoint_admission=false",
-                 *args.set, *deployment_overrides(deployment, args)]  # fmt: skip
+    # the workers' own OpenAI endpoints admit everything, as the stock servers the peer routers are built for do
+    feed = ["engine.zmq_kv_events=true"] if kv_events else []
+    overrides = [*args.model_overrides, *feed, "scheduler.worker_endpoint_admission=false", *args.set,
+                 *deployment_overrides(deployment, args)]  # fmt: skip
     print(f"[routers] starting the {deployment} cluster ({' '.join(overrides)}) ...", file=sys.stderr, flush=True)
     with local_cluster(args.config, overrides, root / deployment) as cluster:
         print(f"[routers] cluster ready in {cluster.startup_s:.1f} s", file=sys.stderr, flush=True)
@@ -320,8 +328,12 @@ def kv_event_args(workers: Sequence[WorkerInfo], model: str) -> list[str]:
 
 
 @contextmanager
-def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iterator[dict[str, Any]]:
-    """Bring one deployment up and warm it; yields its workers, gateway URL, router arguments, start-up time."""
+def deployment_up(
+    deployment: str, args: argparse.Namespace, root: Path, kv_events: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Bring one deployment up and warm it; yields its workers, gateway URL, router arguments, start-up time.
+
+    ``kv_events``: its workers publish KV events in vLLM's ZMQ format (``cluster_manifest``)."""
     if deployment in ("dynamo", "dynamo-pd"):
         t0 = time.monotonic()
         with dynamo_workers(args, root / deployment, deployment) as store:
@@ -334,7 +346,7 @@ def deployment_up(deployment: str, args: argparse.Namespace, root: Path) -> Iter
             yield {"workers": [], "rest": None, "router_args": router_args, "kv_event_args": [],
                    "startup_s": time.monotonic() - t0}  # fmt: skip
         return
-    with cluster_manifest(args, root, deployment) as manifest:
+    with cluster_manifest(args, root, deployment, kv_events) as manifest:
         workers = cluster_workers(manifest, deployment)
         print(f"[routers] {deployment} workers: {', '.join(w.instance_id for w in workers)}", file=sys.stderr,
               flush=True)  # fmt: skip
@@ -366,7 +378,8 @@ def compare_routers(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for deployment in dict.fromkeys(c.deployment for _, c in runnable):
         mine = [(i, c) for i, c in runnable if c.deployment == deployment]
         try:
-            with deployment_up(deployment, args, root) as front:
+            kv_events = any(c.spec == "vllm:kv_aware" for _, c in mine)
+            with deployment_up(deployment, args, root, kv_events) as front:
                 deployments[deployment] = {"workers": [vars(w) for w in front["workers"]],
                                            "startup_s": front["startup_s"],
                                            "overrides": front.get("overrides", [])}  # fmt: skip

@@ -221,8 +221,11 @@ def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(m
 
     from bench.compare import routers
 
+    feeds = {}
+
     @contextmanager
-    def deployment_up(deployment, args, root):
+    def deployment_up(deployment, args, root, kv_events):
+        feeds[deployment] = kv_events
         if deployment == "dynamo":
             raise OSError("[Errno 2] No such file or directory: '.venv-dynamo/bin/python'")
         yield {"workers": [], "startup_s": 1.0, "kv_event_args": []}
@@ -230,11 +233,16 @@ def test_a_deployment_that_fails_to_start_is_recorded_and_the_others_still_run(m
     monkeypatch.setattr(routers, "deployment_up", deployment_up)
     monkeypatch.setattr(routers, "_one", lambda c, i, args, front, root: {"label": c.label, "levels": {}})
     monkeypatch.setattr(routers, "router_available", lambda router: "not installed" if router == "vllm" else None)
-    args = argparse.Namespace(contenders=["conductor", "dynamo:kv", "vllm:cache_aware", "conductor:disaggregated"],
-                              set=[], engine="emulated")  # fmt: skip
+    args = argparse.Namespace(contenders=["conductor", "dynamo:kv", "vllm:cache_aware", "conductor:disaggregated",
+                                          "sglang:cache_aware"], set=[], engine="emulated")  # fmt: skip
     result = routers.compare_routers(args, tmp_path)["contenders"]
     assert "levels" in result["conductor"] and "levels" in result["conductor:disaggregated"]
     assert "OSError" in result["dynamo:kv"]["failed"] and result["vllm:cache_aware"]["skipped"] == "not installed"
+    assert feeds == {"colocated": False, "dynamo": False, "disaggregated": False}  # no vllm:kv_aware ran
+    monkeypatch.setattr(routers, "router_available", lambda router: None)
+    routers.compare_routers(argparse.Namespace(contenders=["conductor", "vllm:kv_aware", "conductor:conditional"],
+                                               set=[], engine="emulated"), tmp_path)  # fmt: skip
+    assert feeds["colocated"] is True and feeds["conditional"] is False  # the ZMQ feed only where it is read
 
 
 def test_per_request_records_move_out_of_the_summary_json(tmp_path):

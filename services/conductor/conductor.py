@@ -772,11 +772,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         metrics.E2E.labels(job.path).observe(times[-1] - job.arrived)
         if tbt:
             metrics.TBT.labels(job.path).observe(tbt)
-        for gap in (b - a for a, b in zip(times[1:], times[2:], strict=False)):
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]  # gaps[0]: token 0 to token 1
+        for gap in gaps[1:]:
             metrics.ITL.labels(job.path).observe(gap)
         metrics.PROMPT_TOKENS.inc(len(job.prompt))
         metrics.CACHED_TOKENS.inc(cached_tokens)
-        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         trace.get_current_span().set_attributes(
             {"kvconductor.ttft_ms": ttft * 1e3, "kvconductor.tbt_ms": tbt * 1e3,
              "kvconductor.tbt_slo_ms": request_tbt(gaps) * 1e3, "kvconductor.tbt_max_ms": max(gaps, default=0.0) * 1e3,

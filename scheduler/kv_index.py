@@ -60,11 +60,18 @@ class KVIndex:
     def apply(
         self, instance: str, seq: int, stored: Iterable[bytes], removed: Iterable[bytes], full: bool = False
     ) -> bool:
-        """Apply one event batch; returns True when the instance must resend its full inventory."""
+        """Apply one event batch; returns True when the instance must resend its full inventory.
+
+        A batch numbered at or below the last one applied is in already: an instance sends a batch again when
+        its call timed out, not knowing whether it arrived (services/worker/kv/events.py).
+        """
         if full:
             self.replace(instance, seq, set(stored).difference(removed))
             return False
-        if self._seq.get(instance) != seq - 1:
+        last = self._seq.get(instance)
+        if last is not None and seq <= last:
+            return False
+        if last != seq - 1:
             return True
         self._seq[instance] = seq
         self.update(instance, stored, removed)

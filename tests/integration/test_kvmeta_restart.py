@@ -5,6 +5,7 @@
   refused with RESOURCE_EXHAUSTED forever).
 * A worker that publishes before kvmeta's watch saw its record is refused, and gets in once it has.
 * A worker killed with SIGKILL: when its lease expires kvmeta drops its blocks.
+* A kvmeta too slow to answer gets the unanswered deltas again, never the whole inventory.
 """
 
 from __future__ import annotations
@@ -53,19 +54,41 @@ class Recording(KvMetaServicer):
     def __init__(self) -> None:
         super().__init__()
         self.sizes: list[int] = []
+        self.calls: list[tuple[int, bool]] = []  # (seq, full_inventory) of each call
 
     async def PublishEvents(self, request, context):  # noqa: N802
         self.sizes.append(request.ByteSize())
+        self.calls.append((request.seq, request.full_inventory))
         return await super().PublishEvents(request, context)
+
+
+class Slow(Recording):
+    """Answers one call of each number in ``before`` / ``after`` only after ``delay_s``: before applying it (the
+    caller's deadline cancels it unapplied) or after (applied, answered too late)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s, self.before, self.after = delay_s, set(), set()
+
+    async def PublishEvents(self, request, context):  # noqa: N802
+        if request.seq in self.before:
+            self.before.discard(request.seq)
+            self.calls.append((request.seq, request.full_inventory))
+            await asyncio.sleep(self.delay_s)
+        response = await super().PublishEvents(request, context)
+        if request.seq in self.after:
+            self.after.discard(request.seq)
+            await asyncio.sleep(self.delay_s)
+        return response
 
 
 class KvMeta:
     """kvmeta in process, as services/kvmeta/main.py runs it: watch, serve, then register under a lease."""
 
-    def __init__(self, etcd: EmbeddedEtcd, cluster: str, instance_id: str) -> None:
+    def __init__(self, etcd: EmbeddedEtcd, cluster: str, instance_id: str, servicer: Recording | None = None) -> None:
         self.registry = Registry(etcd.endpoint, cluster, ttl=TTL)
         self.instance_id = instance_id
-        self.servicer = Recording()
+        self.servicer = servicer or Recording()
 
     async def start(self, port: int = 0) -> KvMeta:
         self.servicer.follow(self.registry)
@@ -206,3 +229,32 @@ async def test_a_killed_workers_blocks_go_when_its_lease_ends(etcd, cluster):
             proc.wait()
         await publisher.close()
         await kvmeta.stop()
+
+
+async def test_a_kvmeta_too_slow_to_answer_gets_the_unanswered_deltas_again_not_the_inventory(etcd, cluster):
+    """A timed-out delta may or may not have arrived: it goes again under its number, and kvmeta takes a number
+    it has applied as done. Full inventories in answer to a slow kvmeta kept sixteen workers' resyncs running
+    for minutes after a burst."""
+    worker = Registry(etcd.endpoint, cluster, ttl=TTL)
+    await asyncio.to_thread(worker.register, worker_record("prefill-3"))
+    slow = Slow(delay_s=1.0)
+    kvmeta = await KvMeta(etcd, cluster, "kvmeta-0", slow).start()
+    await until(lambda: "prefill-3" in slow.registered, 5, "kvmeta saw the worker")
+    publisher = KvEventPublisher(worker, "prefill-3", timeout_s=0.3)
+    pool = _hashes(4000)
+    try:
+        await publisher.publish(pool[:1000], [])  # 1: the first publish is the inventory
+        slow.before.add(2)
+        slow.after.add(3)
+        await publisher.publish(pool[1000:2000], [])  # 2: cancelled by the deadline before kvmeta applied it
+        assert slow.index.num_blocks("prefill-3") == 1000
+        await publisher.publish(pool[2000:3000], [])  # 2 again, then 3: applied, its answer too late
+        assert slow.index.num_blocks("prefill-3") == 3000
+        await publisher.publish(pool[3000:], pool[:10])  # 3 again (in already), then 4
+        assert slow.index.num_blocks("prefill-3") == 3990
+        assert await kvmeta.matches(pool[10:4000]) == {"prefill-3": 3990}
+        assert slow.calls == [(1, True), (2, False), (2, False), (3, False), (3, False), (4, False)]
+    finally:
+        await publisher.close()
+        await kvmeta.stop()
+        await asyncio.to_thread(worker.close)

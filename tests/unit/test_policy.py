@@ -321,6 +321,9 @@ def test_kv_index_prefix_match_gaps_and_drops():
     assert index.apply("p0", 4, [h[4]], []) is True  # seq 3 was lost: resync
     assert index.apply("p0", 3, [], [h[1]]) is False  # evicting block 1 cuts p0's prefix at 1
     assert index.match_prefix(h).prefix_blocks == {"p0": 1, "p1": 2}
+    assert index.apply("p0", 3, [], [h[1]]) is False  # sent again after a timeout: in already, no resync
+    assert index.apply("p0", 2, h[:4], []) is False  # an older one too: nothing changes
+    assert index.match_prefix(h).prefix_blocks == {"p0": 1, "p1": 2}
     assert index.drop_instance("p1") == 2
     assert index.match_prefix(h).prefix_blocks == {"p0": 1}
     assert index.apply("p9", 5, [h[0]], []) is True  # unknown instance: resync

@@ -6,6 +6,13 @@ delta, so each index converges without the worker ever failing a request because
 replicas are the kvmeta instances registered in etcd, re-listed at every heartbeat: a new replica gets the
 full inventory within one heartbeat, and losing one leaves the others' indexes whole.
 
+A delta whose call timed out (a kvmeta too busy to answer within ``timeout_s``, which may or may not have
+applied it) is not followed by the full inventory: it is sent again, under its own number, before the next
+delta, and kvmeta takes a number it has already applied as done (``KVIndex.apply``). Answering a slow kvmeta
+with full inventories (190,464 blocks from a full emulated pool) made it slower: sixteen workers' resyncs kept
+it busy for minutes after a burst (`bench compare --routers`, 2026-12-07). The deltas kept for resending are
+bounded by the same budget; past it, the inventory goes instead.
+
 A full inventory goes in chunks of at most ``MESSAGE_BUDGET`` bytes of block hashes (a pool of 190,464
 blocks is 6.2 MiB, over gRPC's 4 MiB limit), counted from each entry's wire size; kvmeta adds each chunk's
 blocks and, at the last chunk, removes those the inventory lacks (services/kvmeta/resync.py). A delta over
@@ -19,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -39,6 +46,7 @@ class Replica:
     channel: grpc.aio.Channel
     resync: bool = True
     failing: bool = False  # the last call failed (logged once per outage, not at every retry)
+    unanswered: list[kvmeta_pb2.PublishEventsRequest] = field(default_factory=list)  # deltas whose call timed out
 
     @property
     def stub(self) -> kvmeta_pb2_grpc.KvMetaStub:
@@ -106,15 +114,27 @@ class KvEventPublisher:
             await asyncio.gather(*(send(r) for r in self._replicas.values()))
 
     async def _send(self, replica: Replica, seq: int, stored: list[bytes], removed: list[bytes]) -> None:
-        """The delta under ``seq``; the full inventory instead when the replica is owed it or the delta is too big."""
-        if not replica.resync and sum(map(entry_bytes, stored)) + sum(map(entry_bytes, removed)) <= self.budget:
-            request = kvmeta_pb2.PublishEventsRequest(
-                instance_id=self.instance_id, seq=seq, stored_block_hashes=stored, removed_block_hashes=removed
-            )
-            response = await self._call(replica, request)
-            if response is None or not response.resync_required:
+        """The deltas unanswered so far, then the one under ``seq``.
+
+        The full inventory instead when the replica is owed it or the deltas are over the budget.
+        """
+        delta = kvmeta_pb2.PublishEventsRequest(
+            instance_id=self.instance_id, seq=seq, stored_block_hashes=stored, removed_block_hashes=removed
+        )
+        pending = [*replica.unanswered, delta]
+        replica.unanswered = []
+        size = sum(entry_bytes(h) for d in pending for h in (*d.stored_block_hashes, *d.removed_block_hashes))
+        if not replica.resync and size <= self.budget:
+            for i, request in enumerate(pending):
+                response = await self._call(replica, request)
+                if response is None:
+                    if not replica.resync:  # timed out: kvmeta may have it; sent again before the next delta
+                        replica.unanswered = pending[i:]
+                    return
+                if response.resync_required:
+                    break  # the gap is this replica's: the inventory goes to it alone, under the latest number
+            else:
                 return
-            # the gap is this replica's: the inventory goes to it alone, under the same number
         await self._resync(replica, seq)
 
     async def _resync(self, replica: Replica, seq: int) -> None:
@@ -141,7 +161,7 @@ class KvEventPublisher:
     async def _call(
         self, replica: Replica, request: kvmeta_pb2.PublishEventsRequest
     ) -> kvmeta_pb2.PublishEventsResponse | None:
-        """One PublishEvents; None (and ``resync`` set) when it failed or kvmeta refused it."""
+        """One PublishEvents; None when it failed or kvmeta refused it, with ``resync`` set unless it timed out."""
         try:
             response: kvmeta_pb2.PublishEventsResponse = await replica.stub.PublishEvents(
                 request, timeout=self.timeout_s
@@ -151,8 +171,11 @@ class KvEventPublisher:
             if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
                 raise  # our caller is being cancelled; a call cancelled under us (closed channel) is kvmeta's
             level = logging.DEBUG if replica.failing else logging.WARNING
-            log.log(level, "kvmeta at %s: %s; will resend the full inventory", replica.address, _reason(e))
-            replica.resync = replica.failing = True
+            timed_out = isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            then = "will send those events again" if timed_out else "will resend the full inventory"
+            log.log(level, "kvmeta at %s: %s; %s", replica.address, _reason(e), then)
+            replica.failing = True
+            replica.resync = replica.resync or not timed_out
             return None
         if replica.failing:
             log.info("kvmeta at %s takes our events again", replica.address)

@@ -913,7 +913,8 @@ def _capacities(record):
     return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
 
 
-PER_TOKEN_RUNS = ("trace", "trace-replan", "shared-prefix", "shared-prefix-rule", "shared-prefix-pd", "agent")
+PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "shared-prefix", "shared-prefix-rule", "shared-prefix-pd",
+                  "agent")  # fmt: skip
 
 
 def _per_token_readme():
@@ -981,6 +982,36 @@ def test_the_per_token_trace_replan_run_says_what_its_json_says():
         f"failed with {failed['failed']} of 400 refused, {by_rule} of them because the rule",
     ]
     _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-replan/routers.json")
+
+
+def test_the_per_token_router_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    first, _, _ = _per_token("trace")
+    record, cap, _ = _per_token("trace-routers")
+    assert _workload(record["command"].replace("--capacity 2 10", "--capacity 8 24")) == _workload(first["command"])
+    ours = cap["conductor"]
+    claims = [f"| our Conductor | {ours:g} | |"]
+    for spec, name in (
+        ("sglang:cache_aware", "sglang-router cache_aware"),
+        ("vllm:cache_aware", "vllm-router cache_aware"),
+    ):
+        claims.append(f"| {name} | {cap[spec]:g} | {ours / cap[spec]:.2f}x |")
+    failing = {spec: _first_failing(record, spec) for spec in cap}
+    rate, s = failing["conductor"]
+    claims.append(f"ours at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 {s['tbt_ms']['p90']:.0f} ms, "
+                  f"{s['failed']} of 400 refused")  # fmt: skip
+    rate, s = failing["sglang:cache_aware"]
+    claims.append(f"sglang-router at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 {s['tbt_ms']['p90']:.0f} "
+                  f"ms, TTFT p90 {s['ttft_ms']['p90']:.0f} ms, none refused")  # fmt: skip
+    rate, s = failing["vllm:cache_aware"]
+    claims.append(f"vllm-router at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 "
+                  f"{s['tbt_ms']['p90']:.0f} ms, none refused")  # fmt: skip
+    hits = [
+        failing[spec][1]["prefix_cache_hit_rate"] for spec in ("conductor", "sglang:cache_aware", "vllm:cache_aware")
+    ]
+    claims.append("{:.1%} (ours), {:.1%} (sglang-router), {:.1%} (vllm-router)".format(*hits))
+    assert all(failing[spec][1]["failed"] == 0 for spec in ("sglang:cache_aware", "vllm:cache_aware"))
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-routers/routers.json")
 
 
 def test_the_per_token_shared_prefix_run_says_what_its_json_says():
@@ -1093,6 +1124,7 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
     _, s_cap, _ = _per_token("shared-prefix")
     _, s_rule_cap, _ = _per_token("shared-prefix-rule")
     agent = {spec: sum(runs) / len(runs) for spec, runs in _repeats(_per_token("agent")[0]).items()}
+    _, routers, _ = _per_token("trace-routers")
     mixed, pd, replanned, rule = (cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor"],
                                   again["conductor:conditional"])  # fmt: skip
     s_mixed, s_pd, s_rule = (
@@ -1110,5 +1142,7 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
         f"and {s_mixed / s_rule:.2f}x Dynamo's threshold rule",
         f"the Conductor held {agent['conductor:disaggregated'] / agent['dynamo-pd:kv']:.2f}x Dynamo's split and "
         f"{agent['conductor'] / agent['dynamo:kv']:.2f}x Dynamo aggregated",
+        f"it held {routers['conductor'] / routers['sglang:cache_aware']:.2f}x sglang-router's `cache_aware` and "
+        f"{routers['conductor'] / routers['vllm:cache_aware']:.2f}x vllm-router's",
     ]
     _assert_quotes(front, front_claims, "README.md disagrees with bench/results/scale/per-token")

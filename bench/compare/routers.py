@@ -14,10 +14,11 @@ these contenders, one after the other:
   started on a free port with ``--worker-urls`` = every worker's ``openai_url`` (the OpenAI API each
   colocated worker serves itself, read from its etcd record), then stopped after its runs. A cluster that
   a ``vllm:kv_aware`` contender runs on has ``[engine] zmq_kv_events`` on (the others off: the feed costs
-  the workers' event loops about 1 ms per 12k-token prompt), so ``vllm:kv_aware`` subscribes to every worker's KV events in
-  vLLM's ZMQ format (``--kv-event-source URL=ENDPOINT``, the endpoint from the worker's etcd record),
-  and with ``[scheduler] worker_endpoint_admission`` off: a worker's own endpoint queues every request as a
-  stock vLLM or SGLang server does (``--set scheduler.worker_endpoint_admission=true`` gives the peers our
+  the workers' event loops about 1 ms per 12k-token prompt), so ``vllm:kv_aware`` subscribes to every
+  worker's KV events in vLLM's ZMQ format (``--kv-event-source URL=ENDPOINT``, the endpoint from the
+  worker's etcd record). Every cluster runs with ``[scheduler] worker_endpoint_admission`` off: a worker's
+  own endpoint queues every request as a stock vLLM or SGLang server does
+  (``--set scheduler.worker_endpoint_admission=true`` gives the peers our
   per-worker SLO admission, whose 429s sglang-router's circuit breaker counts as worker failures).
 
 Two more deployments use the same two worker slots (one engine each), started after the colocated cluster

@@ -119,18 +119,20 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        for i in range(start, len(block_hashes)):
-            block_hash, block = block_hashes[i], self._blocks[block_ids[i]]
-            if block_hash in self._cached or block.block_hash is not None:
-                continue
-            block.block_hash = block_hash
-            block.token_ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            self._cached[block_hash] = block_ids[i]
-            if block_hash in self._removed:
-                del self._removed[block_hash]
-            else:
-                parent = block_hashes[i - 1] if i > 0 else parent_hash
-                self._stored[block_hash] = StoredBlock(block_hash, parent, block.token_ids)
+        bs, cached, stored, removed = self.block_size, self._cached, self._stored, self._removed
+        blocks = zip(*[iter(token_ids[start * bs : len(block_hashes) * bs])] * bs)  # each block's tokens, in C
+        parent = block_hashes[start - 1] if start > 0 else parent_hash
+        for i, (block_hash, tokens) in enumerate(zip(block_hashes[start:], blocks, strict=True), start):
+            block_id = block_ids[i]
+            block = self._blocks[block_id]
+            if block_hash not in cached and block.block_hash is None:
+                block.block_hash, block.token_ids = block_hash, tokens
+                cached[block_hash] = block_id
+                if block_hash in removed:
+                    del removed[block_hash]
+                else:
+                    stored[block_hash] = StoredBlock(block_hash, parent, tokens)
+            parent = block_hash
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, tail first, so a request's last blocks are evicted first."""

@@ -46,7 +46,8 @@ class Replica:
     channel: grpc.aio.Channel
     resync: bool = True
     failing: bool = False  # the last call failed (logged once per outage, not at every retry)
-    unanswered: list[kvmeta_pb2.PublishEventsRequest] = field(default_factory=list)  # deltas whose call timed out
+    # deltas whose call timed out, each with its hashes' wire size
+    unanswered: list[tuple[kvmeta_pb2.PublishEventsRequest, int]] = field(default_factory=list)
 
     @property
     def stub(self) -> kvmeta_pb2_grpc.KvMetaStub:
@@ -87,7 +88,11 @@ class KvEventPublisher:
             if heartbeat or not self._listed:
                 await self._list()
             self._seq += 1
-            await asyncio.gather(*(self._send(r, self._seq, stored, removed) for r in self._replicas.values()))
+            delta = kvmeta_pb2.PublishEventsRequest(
+                instance_id=self.instance_id, seq=self._seq, stored_block_hashes=stored, removed_block_hashes=removed
+            )
+            size = sum(map(entry_bytes, stored)) + sum(map(entry_bytes, removed))
+            await asyncio.gather(*(self._send(r, delta, size) for r in self._replicas.values()))
 
     async def publish_store(self, store_id: str, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         """Tell every kvmeta which blocks this worker put into the Mooncake Store (``store_id``'s) or found gone.
@@ -113,19 +118,15 @@ class KvEventPublisher:
                 await self._list()
             await asyncio.gather(*(send(r) for r in self._replicas.values()))
 
-    async def _send(self, replica: Replica, seq: int, stored: list[bytes], removed: list[bytes]) -> None:
-        """The deltas unanswered so far, then the one under ``seq``.
+    async def _send(self, replica: Replica, delta: kvmeta_pb2.PublishEventsRequest, size: int) -> None:
+        """The deltas unanswered so far, then ``delta`` (``size``: its hashes' wire bytes).
 
         The full inventory instead when the replica is owed it or the deltas are over the budget.
         """
-        delta = kvmeta_pb2.PublishEventsRequest(
-            instance_id=self.instance_id, seq=seq, stored_block_hashes=stored, removed_block_hashes=removed
-        )
-        pending = [*replica.unanswered, delta]
+        pending = [*replica.unanswered, (delta, size)]
         replica.unanswered = []
-        size = sum(entry_bytes(h) for d in pending for h in (*d.stored_block_hashes, *d.removed_block_hashes))
-        if not replica.resync and size <= self.budget:
-            for i, request in enumerate(pending):
+        if not replica.resync and sum(n for _, n in pending) <= self.budget:
+            for i, (request, _) in enumerate(pending):
                 response = await self._call(replica, request)
                 if response is None:
                     if not replica.resync:  # timed out: kvmeta may have it; sent again before the next delta
@@ -135,7 +136,7 @@ class KvEventPublisher:
                     break  # the gap is this replica's: the inventory goes to it alone, under the latest number
             else:
                 return
-        await self._resync(replica, seq)
+        await self._resync(replica, delta.seq)
 
     async def _resync(self, replica: Replica, seq: int) -> None:
         """The full inventory under ``seq``, in chunks within the budget; ``replica.resync`` clears once all landed.

@@ -120,7 +120,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs, cached, stored, removed = self.block_size, self._cached, self._stored, self._removed
-        blocks = zip(*[iter(token_ids[start * bs : len(block_hashes) * bs])] * bs)  # each block's tokens, in C
+        blocks = zip(*[iter(token_ids[start * bs : len(block_hashes) * bs])] * bs, strict=True)  # each block's, in C
         parent = block_hashes[start - 1] if start > 0 else parent_hash
         for i, (block_hash, tokens) in enumerate(zip(block_hashes[start:], blocks, strict=True), start):
             block_id = block_ids[i]

@@ -913,8 +913,8 @@ def _capacities(record):
     return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
 
 
-PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "shared-prefix", "shared-prefix-rule", "shared-prefix-pd",
-                  "agent")  # fmt: skip
+PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "trace-peers", "shared-prefix", "shared-prefix-rule",
+                  "shared-prefix-pd", "agent")  # fmt: skip
 
 
 def _per_token_readme():
@@ -1012,6 +1012,32 @@ def test_the_per_token_router_run_says_what_its_json_says():
     claims.append("{:.1%} (ours), {:.1%} (sglang-router), {:.1%} (vllm-router)".format(*hits))
     assert all(failing[spec][1]["failed"] == 0 for spec in ("sglang:cache_aware", "vllm:cache_aware"))
     _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-routers/routers.json")
+
+
+def test_the_per_token_side_by_side_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    first, _, _ = _per_token("trace")
+    record, cap, _ = _per_token("trace-peers")
+    assert _workload(record["command"].replace("--capacity 2 12", "--capacity 8 24")) == _workload(first["command"])
+    ours, sglang, dynamo = cap["conductor"], cap["sglang:cache_aware"], cap["dynamo:kv"]
+    assert sglang > dynamo  # the best aggregated peer, as the write-up says
+    claims = [
+        f"| 16 colocated, re-planning, side by side (`trace-peers/`) | {ours:g} | {dynamo:g} | {ours / dynamo:.2f}x |",
+        f"| our Conductor | {ours:g} | |",
+        f"| sglang-router cache_aware | {sglang:g} | {ours / sglang:.2f}x |",
+        f"| Dynamo aggregated (KV router, mocker engines) | {dynamo:g} | {ours / dynamo:.2f}x |",
+        f"our lead over it is {ours / sglang:.2f}x**",
+        f"Side by side, Dynamo aggregated held {dynamo:g} req/s ({ours / dynamo:.2f}x)",
+    ]
+    rate, s = _first_failing(record, "conductor")
+    pushed = sum(n for why, n in s["errors"].items() if "would push" in why)
+    claims.append(f"ours at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 {s['tbt_ms']['p90']:.0f} ms, "
+                  f"{s['failed']} of 400 refused ({pushed} because every instance tried")  # fmt: skip
+    for spec, name in (("sglang:cache_aware", "sglang-router"), ("dynamo:kv", "Dynamo")):
+        rate, s = _first_failing(record, spec)
+        assert s["failed"] == 0
+        claims.append(f"{name} at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 {s['tbt_ms']['p90']:.0f} ms")
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-peers/routers.json")
 
 
 def test_the_per_token_shared_prefix_run_says_what_its_json_says():
@@ -1125,8 +1151,8 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
     _, s_rule_cap, _ = _per_token("shared-prefix-rule")
     agent = {spec: sum(runs) / len(runs) for spec, runs in _repeats(_per_token("agent")[0]).items()}
     _, routers, _ = _per_token("trace-routers")
-    mixed, pd, replanned, rule = (cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor"],
-                                  again["conductor:conditional"])  # fmt: skip
+    _, peers, _ = _per_token("trace-peers")
+    mixed, pd, rule = cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor:conditional"]
     s_mixed, s_pd, s_rule = (
         s_cap["conductor:conditional"],
         s_cap["conductor:disaggregated"],
@@ -1134,15 +1160,17 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
     )
     front = " ".join((SIM.parents[2] / "README.md").read_text().split())
     front_claims = [
-        f"its SLO capacity was {pd / cap['dynamo-pd:kv']:.2f}x Dynamo's on the same 12 prefill + 4 decode split and "
-        f"{replanned / cap['dynamo:kv']:.2f}x Dynamo aggregated on 16 colocated slots",
+        f"its SLO capacity was {pd / cap['dynamo-pd:kv']:.2f}x Dynamo's on the same 12 prefill + 4 decode split.",
+        f"it held {peers['conductor'] / peers['sglang:cache_aware']:.2f}x sglang-router's `cache_aware`, the best "
+        f"aggregated peer there, and {peers['conductor'] / peers['dynamo:kv']:.2f}x Dynamo aggregated, run side by "
+        "side",
         f"held {mixed / rule:.2f}x Dynamo's threshold rule run in the same deployment, but {mixed / pd:.2f}x our own "
         "prefill/decode split",
         f"the same pool led: {s_mixed / s_pd:.2f}x our split, which held {s_pd / s_cap['dynamo-pd:kv']:.2f}x Dynamo's, "
         f"and {s_mixed / s_rule:.2f}x Dynamo's threshold rule",
         f"the Conductor held {agent['conductor:disaggregated'] / agent['dynamo-pd:kv']:.2f}x Dynamo's split and "
         f"{agent['conductor'] / agent['dynamo:kv']:.2f}x Dynamo aggregated",
-        f"it held {routers['conductor'] / routers['sglang:cache_aware']:.2f}x sglang-router's `cache_aware` and "
-        f"{routers['conductor'] / routers['vllm:cache_aware']:.2f}x vllm-router's",
+        f"in another run, it held {routers['conductor'] / routers['vllm:cache_aware']:.2f}x vllm-router's "
+        "`cache_aware`",
     ]
     _assert_quotes(front, front_claims, "README.md disagrees with bench/results/scale/per-token")

@@ -27,7 +27,7 @@ from scheduler.output_length import OutputLengths
 from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decode_share
 from scheduler.stalls import prompt_stalls
 
-LOCAL_RETRIES = 2  # conditional path: colocated instances skipped per request for stalling their decodes
+LOCAL_RETRIES = 2  # colocated instances skipped per request for stalling their decodes, before a refusal
 
 
 @dataclass
@@ -83,26 +83,27 @@ class ConductorCore:
         hashes, bs = block_hashes, shape.block_size
         skipped: list[tuple[str, str]] = []  # (instance, why)
         fewest: tuple[int, Plan] | None = None  # the plan pushing the fewest past the SLO
-        pool = list(pool)
+        batches = {m.instance_id: m.residents(now) for m in pool}
+        prefill = [m.prefill_candidate(prefix_lens.get(m.instance_id, 0), now, batches[m.instance_id], hashes, bs)
+                   for m in pool]  # fmt: skip
+        decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
+        left = list(range(len(pool)))  # the instances not skipped yet (their candidates do not change)
         for _ in range(LOCAL_RETRIES + 1):
-            batches = {m.instance_id: m.residents(now) for m in pool}
-            prefill = [m.prefill_candidate(prefix_lens.get(m.instance_id, 0), now, batches[m.instance_id], hashes, bs)
-                       for m in pool]  # fmt: skip
-            decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
-            plan = self.policy.schedule(prefill, decode, shape, slo, None, colocated=True)
+            plan = self.policy.schedule([prefill[i] for i in left], [decode[i] for i in left], shape, slo, None,
+                                        colocated=True)  # fmt: skip
             if not isinstance(plan, Plan) or not slo.reject:
                 break
-            there = next(m for m in pool if m.instance_id == plan.decode_instance)
-            chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, there.chunk_tokens)
-            pushed, why = stalls_past_tbt(plan, decode[pool.index(there)], slo.max_tbt, chunks)
+            at = next(i for i in left if pool[i].instance_id == plan.decode_instance)
+            chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, pool[at].chunk_tokens)
+            pushed, why, highest = stalls_past_tbt(plan, decode[at], slo.max_tbt, chunks)
             if not pushed:
                 notes = (f"; {why}" if why else "") + "".join(f"; not {i}: {w}" for i, w in skipped)
-                return replace(plan, reason=plan.reason + notes) if notes else plan
-            skipped.append((there.instance_id, why))
+                return replace(plan, reason=plan.reason + notes, stall_tbt=highest)
+            skipped.append((plan.decode_instance, why))
             if fewest is None or pushed < fewest[0]:
                 fewest = (pushed, plan)
-            pool.remove(there)
-            if not pool:
+            left.remove(at)
+            if not left:
                 break
         if fewest is None:  # nothing weighed: the policy's outcome as it is
             return plan
@@ -127,7 +128,7 @@ class ConductorCore:
         local = self._decide_local(now, shape, prefix_lens, mixed, slo, block_hashes)
         on = {m.instance_id: m for m in mixed}
         if not prefills:
-            return choose_path(self.policy.config, None, local, shape, _no_share)
+            return choose_path(self.policy.config, None, local, shape, _no_share, slo)
         remote = self.decide(now, shape, prefix_lens, prefills, mixed, slo, False, store, block_hashes)
 
         def stalled(plan: Plan, m: InstanceState) -> str:
@@ -141,7 +142,7 @@ class ConductorCore:
         def share(instance_id: str, start: float) -> float:
             return decode_share(on[instance_id].decode_candidate(now), shape, start)
 
-        return choose_path(self.policy.config, remote, local, shape, share)
+        return choose_path(self.policy.config, remote, local, shape, share, slo)
 
     @staticmethod
     def book(now: float, request_id: Hashable, plan: Plan, shape: RequestShape, p: InstanceState,

@@ -18,6 +18,11 @@ to prefill keep the request itself within it (``stalled_by_queued_prompts``). ``
 * ``cost``: the cheaper admitted plan; a rejection only when neither is admitted. No threshold: a short
   prompt goes remote when the colocated instances are busy decoding, a long one stays local when its
   prefix is cached there and the prefill pool is queued.
+* ``slack``: of two admitted plans, the one that leaves the most room under the SLOs: the smaller of its
+  TTFT's share of the TTFT SLO and its TBT's of the TBT SLO, where a local plan's TBT is also that of the
+  requests its prompt stalls (``Plan.stall_tbt``). A local prompt that keeps the requests decoding there just
+  within the TBT SLO loses to a remote plan queued a few seconds under a TTFT SLO of ten: model error and
+  the machine's noise push the former over, not the latter. A rejection only when neither is admitted.
 * ``dynamo``: Dynamo's conditional disaggregation, as its router decides: local when the part of the
   prompt not cached on the decode instance is under 2,048 tokens and under 70% of the prompt, or when every
   prefill instance has work queued; remote otherwise.
@@ -32,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from scheduler.candidates import DecodeCandidate, RequestShape
+from scheduler.candidates import DecodeCandidate, RequestShape, Slo
 from scheduler.policy import Plan, PolicyConfig, Rejection
 from scheduler.stalls import chunks_after, resident_tbts, tbt_with_stalls
 
@@ -65,31 +70,32 @@ class Queued:
         return min(chunks_after(self.chunks, 0.0, self.seconds, start), tokens), self.seconds / self.chunks
 
 
-def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str]:
-    """How many requests decoding on d prefilling locally would push past the TBT SLO, and the TBTs it predicts.
+def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str, float]:
+    """What prefilling locally does to the requests decoding on d: (how many it pushes past the TBT SLO, why, top).
 
-    The prompt's compute comes in ``chunks`` engine steps, each a gap longer by its share of the compute, for
-    every request decoding there while they run (``stalls.resident_tbts``). A request already past the SLO is
-    not counted again. The text says how far the stalled requests' TBTs go ("" when the prompt stalls none),
-    so that ``explain`` shows how close an admitted local plan came to the SLO.
+    ``top``: the highest TBT it leaves a request within the SLO (0 when it keeps none there). The prompt's compute
+    comes in ``chunks`` engine steps, each a gap longer by its share of the compute, for every request decoding
+    there while they run (``stalls.resident_tbts``). A request already past the SLO is not counted again. The text
+    says how far the stalled requests' TBTs go ("" when the prompt stalls none), so that ``explain`` shows how close
+    an admitted local plan came to the SLO.
     """
     e = plan.prefill
     tbts = list(resident_tbts(d, e.t_queue, e.t_prefill, chunks))
     if not tbts:
-        return 0, ""
+        return 0, "", 0.0
     pushed = [after for before, after in tbts if before <= max_tbt < after]
     compute = f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {max(1, chunks)} steps"
-    if pushed:
-        return len(pushed), (f"{compute} would push {_requests(len(pushed))} decoding there to a TBT of up to "
-                             f"{max(pushed) * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
     kept = [after for _, after in tbts if after <= max_tbt]  # the others were past the SLO before it
+    highest = max(kept, default=0.0)
+    if pushed:
+        why = (f"{compute} would push {_requests(len(pushed))} decoding there to a TBT of up to "
+               f"{max(pushed) * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+        return len(pushed), why, highest
     past = f"{_requests(len(tbts) - len(kept))} already past the TBT SLO"
     if not kept:
-        return 0, f"{compute} stalls only {past}"
-    within = (
-        f"{compute} keeps {_requests(len(kept))} decoding there within the TBT SLO (up to {max(kept) * 1e3:.0f} ms)"
-    )
-    return 0, within + (f"; it stalls {past}" if len(kept) < len(tbts) else "")
+        return 0, f"{compute} stalls only {past}", highest
+    within = f"{compute} keeps {_requests(len(kept))} decoding there within the TBT SLO (up to {highest * 1e3:.0f} ms)"
+    return 0, within + (f"; it stalls {past}" if len(kept) < len(tbts) else ""), highest
 
 
 def _requests(n: int) -> str:
@@ -128,12 +134,15 @@ def choose_path(
     local: Plan | Rejection,
     request: RequestShape,
     decode_share: DecodeShare,
+    slo: Slo,
 ) -> Plan | Rejection:
     """The plan the ``config.disaggregation`` rule takes (``remote`` None: no prefill instance is available)."""
     if remote is None:
         return local
     if config.disaggregation == "cost":
-        return _cheaper(remote, local, decode_share)
+        return _cheaper(remote, local, lambda plan: path_cost(plan, decode_share), "cost", "ms")
+    if config.disaggregation == "slack":
+        return _cheaper(remote, local, lambda plan: -slo_slack(plan, slo), "room under the SLOs", "%")
     go_local = _threshold_local(config, remote, local, request)
     chosen, other = (local, remote) if go_local else (remote, local)
     rule = "Dynamo's rule" if config.disaggregation == "dynamo" else f"below {config.local_prefill_max_tokens} tokens"
@@ -141,7 +150,17 @@ def choose_path(
     return _with(chosen, other, why)
 
 
-def _cheaper(remote: Plan | Rejection, local: Plan | Rejection, decode_share: DecodeShare) -> Plan | Rejection:
+def slo_slack(plan: Plan, slo: Slo) -> float:
+    """The room a plan leaves under the SLOs: the smaller of 1 - TTFT / its SLO and 1 - TBT / its SLO.
+
+    Its TBT is the larger of the request's own and the highest it leaves a request its prompt stalls.
+    """
+    return min(1 - plan.ttft / slo.max_ttft, 1 - max(plan.tbt, plan.stall_tbt) / slo.max_tbt)
+
+
+def _cheaper(remote: Plan | Rejection, local: Plan | Rejection, cost: Callable[[Plan], float], what: str,
+             unit: str) -> Plan | Rejection:  # fmt: skip
+    """The admitted plan of lower ``cost`` (named ``what``: ms of cost, or % of room when ``unit`` is "%")."""
     if isinstance(remote, Rejection) and isinstance(local, Rejection):
         why = f"neither path meets the SLOs: remote: {remote.reason}; local: {local.reason}"
         kind = local.kind if remote.kind == "capacity" else remote.kind
@@ -151,11 +170,14 @@ def _cheaper(remote: Plan | Rejection, local: Plan | Rejection, decode_share: De
         return _with(remote, local, f"prefills on a prefill instance: locally {local.reason}")
     if isinstance(remote, Rejection):
         return _with(local, remote, f"prefills on its decode instance: remotely {remote.reason}")
-    costs = path_cost(remote, decode_share), path_cost(local, decode_share)
+    costs = cost(remote), cost(local)
     chosen, other = (local, remote) if costs[1] < costs[0] else (remote, local)
     mine, theirs = (costs[1], costs[0]) if chosen is local else costs
     where = "on its decode instance" if chosen is local else "on a prefill instance"
-    why = f"prefills {where}: cost {mine * 1e3:.0f} ms against {theirs * 1e3:.0f} ms the other way"
+    if unit == "%":  # room: the larger wins
+        why = f"prefills {where}: {what} {-mine:.0%} against {-theirs:.0%} the other way"
+    else:
+        why = f"prefills {where}: {what} {mine * 1e3:.0f} ms against {theirs * 1e3:.0f} ms the other way"
     return _with(chosen, other, why)
 
 

@@ -45,7 +45,7 @@ from scheduler.rules import RULES, PrefillRule
 POLICIES = tuple(RULES)
 _instance_id = attrgetter("instance_id")
 EARLY_REJECTION = ("prediction", "plain")
-DISAGGREGATION = ("cost", "dynamo", "length")
+DISAGGREGATION = ("cost", "slack", "dynamo", "length")
 
 
 @dataclass
@@ -67,8 +67,9 @@ class PolicyConfig:
     # "plain": on the decode load now (Mooncake section 7 shows it oscillates under overload).
     early_rejection: str = "prediction"
     # Where a request prefills when its decode instance could prefill it too (prefill instances beside
-    # colocated ones; scheduler/disaggregation.py): "cost" (the cheaper plan within the SLOs), "dynamo"
-    # (Dynamo's thresholds), "length" (locally below local_prefill_max_tokens).
+    # colocated ones; scheduler/disaggregation.py): "cost" (the cheaper plan within the SLOs), "slack" (the
+    # plan that leaves the most room under the SLOs), "dynamo" (Dynamo's thresholds), "length" (locally below
+    # local_prefill_max_tokens).
     disaggregation: str = "cost"
     local_prefill_max_tokens: int = 2048
 
@@ -107,6 +108,8 @@ class Plan:
     # profile says the request alone meets the SLO. Its measurement re-calibrates the models.
     probe: bool = False
     solo: tuple[float, float] | None = None  # (TTFT, TBT) of the request alone under the profile, when idle
+    # A local plan's prompt: the highest TBT its chunks leave a request decoding there (0: it stalls none).
+    stall_tbt: float = 0.0
 
     @property
     def ttft(self) -> float:

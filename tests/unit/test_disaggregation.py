@@ -96,7 +96,7 @@ def test_a_request_is_refused_only_when_neither_path_meets_the_slos():
 
 
 def test_a_bad_rule_is_refused_by_name():
-    with pytest.raises(ValueError, match="disaggregation must be one of cost, dynamo, length"):
+    with pytest.raises(ValueError, match="disaggregation must be one of cost, slack, dynamo, length"):
         ConductorPolicy(PolicyConfig(disaggregation="always"))
 
 
@@ -178,6 +178,28 @@ def test_stalls_booked_on_a_request_add_up_until_the_next_local_prompt_would_bre
     assert closest == sorted(closest) and closest[0] < closest[-1] <= 100, closest  # each adds to r0's stalls
     refused = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo).alternative
     assert isinstance(refused, Rejection) and "decoding there to a TBT of up to" in refused.reason
+
+
+def test_the_slack_rule_takes_the_plan_that_leaves_more_room_under_the_slos_where_cost_takes_the_faster():
+    """A local prompt that brings a resident to 35 ms of a 100 ms TBT SLO leaves 65% room; a remote plan queued
+    one second under a 5 s TTFT SLO leaves 76%: the slack rule goes remote, the cost rule local (its TTFT is
+    shorter). Queued three seconds (36% room), both go local."""
+    from scheduler.booking import Booking
+    from scheduler.disaggregation import slo_slack
+
+    slo = Slo(max_ttft=5.0, max_tbt=0.1)
+    for queued, slack_goes_local in ((1.0, False), (3.0, True)):
+        p, c = state("p0", "prefill"), state("c0", "colocated")
+        p.prefilling.add("queued", Booking(0.0, queued, 8000, 0))
+        _resident(c, "r0", 4.4)
+        cost = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
+        assert isinstance(cost, Plan) and is_local(cost)
+        plan = core("slack").decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
+        assert isinstance(plan, Plan) and is_local(plan) is slack_goes_local
+        local = plan if slack_goes_local else plan.alternative
+        assert isinstance(local, Plan) and 0.03 < local.stall_tbt < 0.04  # r0 at 35 ms: 65% room
+        room, other = slo_slack(plan, slo), slo_slack(plan.alternative, slo)
+        assert room > other and f"room under the SLOs {room:.0%} against {other:.0%} the other way" in plan.reason
 
 
 def test_a_request_prefilled_remotely_decodes_where_no_queued_prompt_stalls_it():

@@ -913,8 +913,8 @@ def _capacities(record):
     return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
 
 
-PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "trace-peers", "shared-prefix", "shared-prefix-rule",
-                  "shared-prefix-pd", "agent")  # fmt: skip
+PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "trace-peers", "trace-slack", "shared-prefix",
+                  "shared-prefix-rule", "shared-prefix-pd", "shared-prefix-slack", "agent")  # fmt: skip
 
 
 def _per_token_readme():
@@ -1012,6 +1012,49 @@ def test_the_per_token_router_run_says_what_its_json_says():
     claims.append("{:.1%} (ours), {:.1%} (sglang-router), {:.1%} (vllm-router)".format(*hits))
     assert all(failing[spec][1]["failed"] == 0 for spec in ("sglang:cache_aware", "vllm:cache_aware"))
     _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-routers/routers.json")
+
+
+def test_the_per_token_slack_run_and_its_single_levels_say_what_their_json_says():
+    readme = _per_token_readme()
+    first, _, _ = _per_token("trace")
+    record, cap, levels = _per_token("trace-slack")
+    assert "--set 'scheduler.disaggregation=\"slack\"'" in record["command"]
+    slack = " --set 'scheduler.disaggregation=\"slack\"'"
+    same = record["command"].replace("--capacity 12 30", "--capacity 8 24").replace(slack, "")
+    assert _workload(same) == _workload(first["command"])
+    mixed, pd = cap["conductor:conditional"], cap["conductor:disaggregated"]
+    at = levels["conductor:conditional"][f"rate={mixed:g}"]
+    rate, failed = _first_failing(record, "conductor:conditional")
+    pd_rate, pd_failed = _first_failing(record, "conductor:disaggregated")
+    claims = [
+        f"| 12 prefill + 4 colocated, slack rule | {mixed:g} |",
+        f"| 12 prefill + 4 decode | {pd:g} |",
+        f"**The mixed pool by the slack rule held {mixed / pd:.2f}x our split**",
+        f"At {mixed:g} req/s it was {at['slo_attainment']:.1%} within the SLOs with TBT p90 "
+        f"{at['tbt_ms']['p90']:.0f} ms",
+        f"our split failed at {pd_rate:g} req/s ({pd_failed['slo_attainment']:.1%} within)",
+        f"at {rate:g} req/s {failed['slo_attainment']:.1%} within, TTFT p90 {failed['ttft_ms']['p90'] / 1000:.1f} s "
+        f"with only {failed['failed']} of 400 refused",
+        f"Our split read {pd:g} req/s here",
+    ]
+    single = PER_TOKEN / "trace-slack" / "single-levels"
+    runs = {path.stem: json.loads(path.read_text()) for path in sorted(single.glob("*.json"))}
+    assert all("uncommitted" not in r["code"] for r in runs.values())
+    cost = [_summaries(runs[f"cost-{i}"]) for i in (1, 2, 3)]
+    for spec in ("conductor:conditional", "conductor:disaggregated"):
+        claims.append(", ".join(f"{c[spec]['rate=18.87']['slo_attainment']:.1%}" for c in cost[:2])
+                      + f" and {cost[2][spec]['rate=18.87']['slo_attainment']:.1%}")  # fmt: skip
+    slack = _summaries(runs["slack-1"])["conductor:conditional"]
+    assert "--set 'scheduler.disaggregation=\"slack\"'" in runs["slack-1"]["command"]
+    claims.append(f"read {slack['rate=18.87']['slo_attainment']:.1%} at 18.87 req/s and "
+                  f"{slack['rate=20.92']['slo_attainment']:.1%} at 20.92")  # fmt: skip
+    shared, s_cap, _ = _per_token("shared-prefix")
+    _, slack_cap, _ = _per_token("shared-prefix-slack")
+    rule, cost = slack_cap["conductor:conditional"], s_cap["conductor:conditional"]
+    claims.append(f"one bisection): {rule:g} req/s, against {cost:g} for the `cost` rule in `shared-prefix/` (code "
+                  f"{shared['code']}, a different run: {rule / cost:.2f}x) and "
+                  f"{s_cap['conductor:disaggregated']:g} for our split there")  # fmt: skip
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-slack/ or shared-prefix-slack/")
 
 
 def test_the_per_token_side_by_side_run_says_what_its_json_says():
@@ -1152,6 +1195,8 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
     agent = {spec: sum(runs) / len(runs) for spec, runs in _repeats(_per_token("agent")[0]).items()}
     _, routers, _ = _per_token("trace-routers")
     _, peers, _ = _per_token("trace-peers")
+    _, slack, _ = _per_token("trace-slack")
+    _, slack_shared, _ = _per_token("shared-prefix-slack")
     mixed, pd, rule = cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor:conditional"]
     s_mixed, s_pd, s_rule = (
         s_cap["conductor:conditional"],
@@ -1165,7 +1210,10 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
         f"aggregated peer there, and {peers['conductor'] / peers['dynamo:kv']:.2f}x Dynamo aggregated, run side by "
         "side",
         f"held {mixed / rule:.2f}x Dynamo's threshold rule run in the same deployment, but {mixed / pd:.2f}x our own "
-        "prefill/decode split",
+        "prefill/decode split;",
+        f"the pool held {slack['conductor:conditional'] / slack['conductor:disaggregated']:.2f}x our split in one run, "
+        f"and gave back {1 - slack_shared['conductor:conditional'] / s_cap['conductor:conditional']:.0%} on the "
+        "shared-prefix workload",
         f"the same pool led: {s_mixed / s_pd:.2f}x our split, which held {s_pd / s_cap['dynamo-pd:kv']:.2f}x Dynamo's, "
         f"and {s_mixed / s_rule:.2f}x Dynamo's threshold rule",
         f"the Conductor held {agent['conductor:disaggregated'] / agent['dynamo-pd:kv']:.2f}x Dynamo's split and "

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.booking import Booking
-from scheduler.candidates import RequestShape, Slo
+from scheduler.candidates import RequestShape, Resident, Slo
 from scheduler.cost_model import LinkModels
 from scheduler.disaggregation import Queued, choose_path, stalled_by_queued_prompts, stalls_past_tbt
 from scheduler.instance import InstanceState
@@ -78,10 +78,13 @@ class ConductorCore:
         there (``policy.shared_delay``). With SLO admission, a plan whose prompt would push requests decoding
         there past the TBT SLO (``stalls_past_tbt``) is re-planned without that instance, ``LOCAL_RETRIES`` times
         at most, and refused when every plan tried pushes some: a request pushed past the SLO is a miss as much
-        as a refused one, and the prompt would push it after it was admitted (docs/design.md).
+        as a refused one, and the prompt would push it after it was admitted (docs/design.md). The refusal is
+        deferred (``Rejection.retry_in``) when the TTFT SLO leaves time to wait for the first request decoding on
+        those instances to leave: its steps and the stalls it absorbs go with it.
         """
         hashes, bs = block_hashes, shape.block_size
         skipped: list[tuple[str, str]] = []  # (instance, why)
+        room_in = math.inf  # when the first request decoding on a skipped instance leaves
         fewest: tuple[int, Plan] | None = None  # the plan pushing the fewest past the SLO
         batches = {m.instance_id: m.residents(now) for m in pool}
         prefill = [m.prefill_candidate(prefix_lens.get(m.instance_id, 0), now, batches[m.instance_id], hashes, bs)
@@ -100,6 +103,7 @@ class ConductorCore:
                 notes = (f"; {why}" if why else "") + "".join(f"; not {i}: {w}" for i, w in skipped)
                 return replace(plan, reason=plan.reason + notes, stall_tbt=highest)
             skipped.append((plan.decode_instance, why))
+            room_in = min(room_in, _next_leave(batches[plan.decode_instance], prefill[at].decode_step_s))
             if fewest is None or pushed < fewest[0]:
                 fewest = (pushed, plan)
             left.remove(at)
@@ -108,7 +112,8 @@ class ConductorCore:
         if fewest is None:  # nothing weighed: the policy's outcome as it is
             return plan
         reason = skipped[0][1] if len(skipped) == 1 else "; ".join(f"on {i}: {w}" for i, w in skipped)
-        return Rejection(reason, fewest[1], "tbt_slo")
+        defer = self.policy.config.defer_local_prefill and fewest[1].ttft + room_in <= slo.max_ttft
+        return Rejection(reason, fewest[1], "tbt_slo", retry_in=room_in if defer else 0.0)
 
     def decide_conditional(
         self,
@@ -215,6 +220,11 @@ class ConductorCore:
 
 def _no_share(instance_id: str, start: float) -> float:
     return 0.0
+
+
+def _next_leave(residents: Sequence[Resident], step: float) -> float:
+    """Seconds until the first of ``residents`` is expected to leave: a decode step from now at the soonest."""
+    return max(min((r.t_leave for r in residents), default=math.inf), step)
 
 
 def _queued(m: InstanceState, now: float) -> Queued:

@@ -164,7 +164,7 @@ def _cheaper(remote: Plan | Rejection, local: Plan | Rejection, cost: Callable[[
     if isinstance(remote, Rejection) and isinstance(local, Rejection):
         why = f"neither path meets the SLOs: remote: {remote.reason}; local: {local.reason}"
         kind = local.kind if remote.kind == "capacity" else remote.kind
-        return Rejection(why, remote.plan or local.plan, kind)
+        return Rejection(why, remote.plan or local.plan, kind, local.retry_in)  # room may come locally
     if isinstance(local, Rejection):
         assert isinstance(remote, Plan)
         return _with(remote, local, f"prefills on a prefill instance: locally {local.reason}")

@@ -72,6 +72,10 @@ class PolicyConfig:
     # local_prefill_max_tokens).
     disaggregation: str = "cost"
     local_prefill_max_tokens: int = 2048
+    # A colocated prompt that would push a request decoding there past the TBT SLO on every instance tried waits
+    # for the first of those requests to leave and is planned again, while its TTFT SLO still allows (its wait
+    # counts in its TTFT); false: it is refused at once (scheduler/core.py ``_decide_local``).
+    defer_local_prefill: bool = True
 
     def policy_config(self, **changes: Any) -> PolicyConfig:
         """These knobs alone (a plain ``PolicyConfig``), with ``changes``."""
@@ -124,6 +128,9 @@ class Rejection:
     reason: str
     plan: Plan | None = None
     kind: str = "capacity"  # "ttft_slo", "tbt_slo" or "capacity" (no instance, no free blocks or slots)
+    # > 0: not refused yet; plan it again this many seconds from now, when room is expected (the first request
+    # decoding there leaves) and its TTFT SLO still allows (``PolicyConfig.defer_local_prefill``)
+    retry_in: float = 0.0
 
 
 @dataclass

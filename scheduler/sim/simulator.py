@@ -17,7 +17,7 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from scheduler.sim.trace import TraceRequest
 
 SIM_POLICIES = (*POLICIES, "colocated", "conditional")
 PROGRESS_S = 1.0  # the decode instances report their requests' tokens to the core this often (at an arrival)
-_PREFILL_DONE, _ARRIVAL, _SAMPLE = 0, 1, 2
+_PREFILL_DONE, _ARRIVAL, _SAMPLE, _DEFERRED = 0, 1, 2, 3
 
 
 @dataclass
@@ -203,6 +203,8 @@ class Simulator:
                 arrived += 1
                 if progress is not None and (arrived % 1000 == 0 or arrived == len(self.requests)):
                     progress(arrived, len(self.requests))
+            elif kind == _DEFERRED:  # planned again (``Rejection.retry_in``)
+                self._arrive(now, arg)
             else:
                 self._sample(now)
                 if now + self.config.sample_interval <= last_arrival:
@@ -232,6 +234,9 @@ class Simulator:
             output_tokens=self.core.expected_output_tokens(request.num_output_tokens),
         )  # fmt: skip
         outcome = self._decide(now, request, shape)
+        if isinstance(outcome, Rejection) and outcome.retry_in > 0:
+            self._push(now + outcome.retry_in, _DEFERRED, i)
+            return
         if isinstance(outcome, Rejection):
             record.rejection = outcome.kind.removesuffix("_slo")  # "ttft", "tbt" or "capacity"
             if outcome.plan is not None:
@@ -247,13 +252,16 @@ class Simulator:
         prefix = {i: blocks * self.config.block_size for i, blocks in match.items()}
         store = CopySource(STORE, prefix.pop(STORE)) if STORE in prefix else None
         self.policy_calls += 1
+        slo = self.slo  # a deferred request's wait so far is in its TTFT
+        if now > request.arrival:
+            slo = replace(slo, ttft_overhead=slo.ttft_overhead + now - request.arrival)
         if self.config.conditional:
             return self.core.decide_conditional(
-                now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo, store,
+                now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], slo, store,
                 request.full_blocks,
             )  # fmt: skip
         return self.core.decide(
-            now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], self.slo,
+            now, shape, prefix, [p.state for p in pool], [d.state for d in self.decodes], slo,
             self.config.colocated, store, request.full_blocks,
         )  # fmt: skip
 

@@ -31,6 +31,10 @@ STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02
 REQUESTS = Counter("kvconductor_requests", "Requests by serving path and outcome", ["path", "outcome"])
 RETRIES = Counter("kvconductor_retries", "Requests resumed on another worker after a worker failed", ["path"])
 REJECTIONS = Counter("kvconductor_rejections", "SLO and capacity rejections by reason", ["reason"])
+DEFERRALS = Counter(
+    "kvconductor_deferrals",
+    "Colocated prompts that would have pushed a decoding request past the TBT SLO, planned again when room was due",
+)
 TTFT = Histogram("kvconductor_ttft_seconds", "Time to first token at the Conductor", ["path"], buckets=LATENCY_BUCKETS)
 TBT = Histogram("kvconductor_tbt_seconds", "Mean time between tokens of a request", ["path"], buckets=GAP_BUCKETS)
 ITL = Histogram("kvconductor_itl_seconds", "Gaps between consecutive token messages", ["path"], buckets=GAP_BUCKETS)

@@ -20,6 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
@@ -336,10 +337,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
         ``conditional``: ``decodes`` are colocated instances, which may prefill the request themselves.
         """
-        with tracer.start_as_current_span("conductor.schedule") as span:
-            outcome = await self._decide(job, prefills, decodes, conditional)
-            if span.is_recording() and job.decision is not None:  # the decision as JSON: only for a recorded span
-                span.set_attributes(decision_attributes(job.decision.message()))
+        while True:
+            with tracer.start_as_current_span("conductor.schedule") as span:
+                outcome = await self._decide(job, prefills, decodes, conditional)
+                if span.is_recording() and job.decision is not None:  # the decision as JSON: for a recorded span
+                    span.set_attributes(decision_attributes(job.decision.message()))
+            if not (isinstance(outcome, Rejection) and outcome.retry_in > 0):
+                break
+            log.debug("request %s deferred %.0f ms: %s", job.name, outcome.retry_in * 1e3, outcome.reason)
+            metrics.DEFERRALS.inc()
+            start = time.monotonic()
+            await asyncio.sleep(outcome.retry_in)
+            job.deferred_s += time.monotonic() - start
         if isinstance(outcome, Rejection):
             log.info("request %s rejected: %s", job.name, outcome.reason)
             metrics.REJECTIONS.labels(outcome.kind).inc()
@@ -369,7 +378,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             ttft_cfg.max_ttft_ms / 1e3,
             tbt_cfg.max_tbt_ms / 1e3,
             self.config.scheduler.reject_on_slo_violation,
-            ttft_overhead=self.overheads["colocated" if conditional else job.path].value(now),
+            ttft_overhead=self.overheads["colocated" if conditional else job.path].value(now) + job.deferred_s,
         )
         with metrics.STAGE.labels("decide").time():
             shape = self._shape(job, decodes[0].record)
@@ -380,6 +389,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 if conditional
                 else self.core.decide(now, shape, prefix, prefill_states, decode_states, slo, colocated, store, hashes)
             )
+            if job.deferred_s and isinstance(outcome, Plan):
+                outcome = replace(outcome, reason=f"{outcome.reason}; planned after {job.deferred_s * 1e3:.0f} ms "
+                                  "waiting for a request decoding there to leave")  # fmt: skip
             job.decision = DecisionRecord(job.request_id, self.core.policy.config.policy, outcome, job.label)
             self.decisions.record(job.decision)
         return outcome
@@ -816,7 +828,7 @@ def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
 
 def _overhead_sample(job: Job, ttft: float) -> float | None:
     """The part of a request's TTFT that no instance model sees (rules in scheduler/ttft_overhead.py)."""
-    if job.plan is None or job.failed:  # a resumed request's first token came from another attempt
+    if job.plan is None or job.failed or job.deferred_s:  # resumed: token 0 came from another attempt
         return None
     if job.plan.prefill.t_queue > 0:  # only requests that found the instance idle: no queueing enters it
         return None

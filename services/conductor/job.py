@@ -44,6 +44,7 @@ class Job:
     attempt: int = 1  # the current attempt, from 1
     phase: str = ""  # what the current attempt waits for: "prefill", "decode" or "colocated" (watchdog, metrics)
     worker_ttft: float | None = None  # seconds the prefill worker reported for token 0 (queue included)
+    deferred_s: float = 0.0  # seconds it waited to be planned again (``Rejection.retry_in``), in its TTFT
     label: str = ""  # the client's request id ("" = none given)
     _resumed_hashes: tuple[int, list[bytes]] = (0, [])  # (tokens generated, hashes of prompt + them) last computed
 

@@ -137,7 +137,7 @@ def _same(a, b):
 def test_the_live_core_replays_the_simulators_decisions(policy):
     calls, states, policy_config = _record(policy)
     decisions = [c for c in calls if c[0].startswith("decide")]
-    assert len(decisions) == 60 and any(isinstance(c[-1], Plan) for c in decisions)
+    assert len(decisions) >= 60 and any(isinstance(c[-1], Plan) for c in decisions)  # deferred ones twice or more
     if policy == "conditional":  # both paths taken, each plan carrying the other
         plans = [c[-1] for c in decisions if isinstance(c[-1], Plan)]
         paths = {p.prefill.instance_id == p.decode_instance for p in plans}

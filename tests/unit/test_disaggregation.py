@@ -250,3 +250,41 @@ def test_a_colocated_request_is_steered_off_an_instance_whose_residents_it_would
     _resident(c1, "short", 0.3)
     refused = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)
     assert isinstance(refused, Rejection) and refused.kind == "tbt_slo" and "on c0:" in refused.reason
+
+
+def test_a_colocated_prompt_that_every_instance_would_push_waits_for_room_inside_its_ttft_slo():
+    """Refused now, it is planned again when the first request decoding there is due to leave, while the TTFT
+    SLO still leaves time for its plan after the wait; otherwise, or with deferral off, it is refused."""
+    c0, c1 = state("c0", "colocated"), state("c1", "colocated")
+    _resident(c0, "short", 0.3)
+    _resident(c1, "short", 0.5)
+    slo = Slo(max_ttft=10.0, max_tbt=0.05)
+    deferred = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)
+    assert isinstance(deferred, Rejection) and deferred.kind == "tbt_slo"
+    assert deferred.retry_in == pytest.approx(0.3)  # c0's request leaves first
+    assert deferred.plan is not None and deferred.plan.ttft + 0.3 <= 10.0
+    tight = Slo(max_ttft=deferred.plan.ttft + 0.2, max_tbt=0.05)  # no time to wait for it
+    refused = core().decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], tight, True)
+    assert isinstance(refused, Rejection) and refused.retry_in == 0
+    off = core(defer_local_prefill=False).decide(0.0, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], slo, True)
+    assert isinstance(off, Rejection) and off.retry_in == 0
+    # Once c0's request has left, the prompt is planned there.
+    ConductorCore.release("short", 0.3, c0)
+    plan = core().decide(0.3, shape(8192), {"c0": 6144}, [c0, c1], [c0, c1], Slo(10.0, 0.05, ttft_overhead=0.3), True)
+    assert isinstance(plan, Plan) and plan.prefill.instance_id == "c0"
+
+
+def test_the_simulator_defers_what_it_would_refuse_and_serves_it_within_the_ttft_slo():
+    profile = Profile(name="colocated", prefill=PrefillModel(0.01, 1e-4, 1e-8), decode=DECODE, link=LINK,
+                      bytes_per_token=1024, prefill_cache_tokens=40 * 512, decode_kv_tokens=400 * 512,
+                      max_running=32, chunk_tokens=512)  # fmt: skip
+    results = {}
+    for defer in (False, True):
+        config = SimConfig(policy="colocated", num_prefill=1, num_decode=1, max_ttft=10.0, max_tbt=0.1, reject=True,
+                           defer_local_prefill=defer)  # fmt: skip
+        results[defer] = Simulator(config, profile, _trace()).run().records
+    refused = {d: sum(r.rejection == "tbt" for r in records) for d, records in results.items()}
+    assert refused[False] > 0 and refused[True] < refused[False], refused
+    served = [r for r in results[True] if r.served]
+    assert len(served) > len([r for r in results[False] if r.served])
+    assert all(r.first_token - r.arrival <= 10.0 for r in served)  # the waits were inside the TTFT SLO

@@ -91,7 +91,7 @@ class ConductorCore:
                    for m in pool]  # fmt: skip
         decode = [m.decode_candidate(now, batches[m.instance_id]) for m in pool]
         left = list(range(len(pool)))  # the instances not skipped yet (their candidates do not change)
-        limit = slo.max_tbt * (1 - self.policy.config.local_tbt_headroom)  # for the requests its prompt stalls
+        headroom = self.policy.config.local_tbt_headroom  # of the TBT SLO, for the requests its prompt stalls
         for _ in range(LOCAL_RETRIES + 1):
             plan = self.policy.schedule([prefill[i] for i in left], [decode[i] for i in left], shape, slo, None,
                                         colocated=True)  # fmt: skip
@@ -99,7 +99,7 @@ class ConductorCore:
                 break
             at = next(i for i in left if pool[i].instance_id == plan.decode_instance)
             chunks = _chunks(shape.num_prompt_tokens - plan.prefill.prefix_len, pool[at].chunk_tokens)
-            pushed, why, highest = stalls_past_tbt(plan, decode[at], limit, chunks)
+            pushed, why, highest = stalls_past_tbt(plan, decode[at], slo.max_tbt, chunks, headroom)
             if not pushed:
                 notes = (f"; {why}" if why else "") + "".join(f"; not {i}: {w}" for i, w in skipped)
                 return replace(plan, reason=plan.reason + notes, stall_tbt=highest)

@@ -70,8 +70,12 @@ class Queued:
         return min(chunks_after(self.chunks, 0.0, self.seconds, start), tokens), self.seconds / self.chunks
 
 
-def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int) -> tuple[int, str, float]:
+def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int,
+                    headroom: float = 0.0) -> tuple[int, str, float]:  # fmt: skip
     """What prefilling locally does to the requests decoding on d: (how many it pushes past the TBT SLO, why, top).
+
+    Past the SLO here is past ``max_tbt`` less ``headroom``, the share of it a local prompt leaves free
+    (``PolicyConfig.local_tbt_headroom``).
 
     ``top``: the highest TBT it leaves a request within the SLO (0 when it keeps none there). The prompt's compute
     comes in ``chunks`` engine steps, each a gap longer by its share of the compute, for every request decoding
@@ -83,18 +87,20 @@ def stalls_past_tbt(plan: Plan, d: DecodeCandidate, max_tbt: float, chunks: int)
     tbts = list(resident_tbts(d, e.t_queue, e.t_prefill, chunks))
     if not tbts:
         return 0, "", 0.0
+    slo = f"the TBT SLO of {max_tbt * 1e3:.0f} ms" + (f" less its {headroom:.0%} headroom" if headroom else "")
+    max_tbt *= 1 - headroom
     pushed = [after for before, after in tbts if before <= max_tbt < after]
     compute = f"its prompt's {e.t_prefill * 1e3:.0f} ms of compute in {max(1, chunks)} steps"
     kept = [after for _, after in tbts if after <= max_tbt]  # the others were past the SLO before it
     highest = max(kept, default=0.0)
     if pushed:
         why = (f"{compute} would push {_requests(len(pushed))} decoding there to a TBT of up to "
-               f"{max(pushed) * 1e3:.0f} ms, over the SLO of {max_tbt * 1e3:.0f} ms")  # fmt: skip
+               f"{max(pushed) * 1e3:.0f} ms, over {slo}")  # fmt: skip
         return len(pushed), why, highest
     past = f"{_requests(len(tbts) - len(kept))} already past the TBT SLO"
     if not kept:
         return 0, f"{compute} stalls only {past}", highest
-    within = f"{compute} keeps {_requests(len(kept))} decoding there within the TBT SLO (up to {highest * 1e3:.0f} ms)"
+    within = f"{compute} keeps {_requests(len(kept))} decoding there within {slo} (up to {highest * 1e3:.0f} ms)"
     return 0, within + (f"; it stalls {past}" if len(kept) < len(tbts) else ""), highest
 
 

@@ -78,7 +78,7 @@ class PolicyConfig:
     defer_local_prefill: bool = True
     # Share of the TBT SLO a colocated prompt leaves free for the requests decoding there that it stalls: it is
     # admitted only if their TBTs stay within (1 - local_tbt_headroom) x the SLO (model error, the machine's noise)
-    local_tbt_headroom: float = 0.0
+    local_tbt_headroom: float = 0.2
 
     def policy_config(self, **changes: Any) -> PolicyConfig:
         """These knobs alone (a plain ``PolicyConfig``), with ``changes``."""

@@ -298,6 +298,7 @@ class SchedulerConfig(PolicyConfig):
         )
         _check(self.estimate_model == "empirical", "[scheduler] estimate_model", 'must be "empirical"')
         _check(self.policy in POLICIES, "[scheduler] policy", f"must be one of {', '.join(POLICIES)}")
+        _check(0 <= self.local_tbt_headroom < 1, "[scheduler] local_tbt_headroom", "must be >= 0 and < 1")
         _check(1 <= self.max_attempts <= 10, "[scheduler] max_attempts", "must be in 1..10")
         _check(0 < self.stall_timeout_s <= 3600, "[scheduler] stall_timeout_s", "must be in (0, 3600]")
         _check(1 <= self.stall_factor <= 100, "[scheduler] stall_factor", "must be in 1..100")

@@ -57,6 +57,7 @@ def test_the_other_deploy_configs_load(path, backend):
             "[prefill] node_count: prefill workers beside colocated ones",
         ),
         ({"store": {"read_timeout_s": 0}}, "[store] read_timeout_s: must be > 0"),
+        ({"scheduler": {"local_tbt_headroom": 1.0}}, "[scheduler] local_tbt_headroom: must be >= 0 and < 1"),
         ({"emulation": {"kv_bytes_per_token": 24}}, "[emulation] kv_bytes_per_token: must be a positive multiple"),
         (
             {"engine": {"backend": "emulated"}, "emulation": {"profile": "h100.json"}},

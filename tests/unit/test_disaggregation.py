@@ -164,20 +164,31 @@ def test_stalls_booked_on_a_request_add_up_until_the_next_local_prompt_would_bre
     p.prefilling.add("queued", Booking(0.0, 2.0, 8000, 0))  # the pool is queued: local is cheaper while admitted
     _resident(c, "r0", 4.4)  # about 200 tokens: its TBT is the mean of its longest 20 gaps
     local, slo, closest = [], Slo(max_ttft=5.0, max_tbt=0.1), []
-    for i in range(8):
-        plan = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
+    for i in range(8):  # up to the SLO itself (no headroom): two prompts fit
+        plan = core(local_tbt_headroom=0.0).decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
         assert isinstance(plan, Plan)
         local.append(is_local(plan))
         if is_local(plan):  # explain says how close to the SLO it leaves the requests it stalls
-            closest.append(int(re.search(r"decoding there within the TBT SLO \(up to (\d+) ms\)", plan.reason)[1]))
+            within = re.search(r"decoding there within the TBT SLO of 100 ms \(up to (\d+) ms\)", plan.reason)
+            closest.append(int(within[1]))
         ConductorCore.book(0.0, f"q{i}", plan, shape(2048, output=8), c if is_local(plan) else p, c)
     booking = c.decoding.items["r0"]
     assert local[0] and not local[-1], local  # local while the resident absorbs the stalls, then remote
     assert booking.stalls and sum(n for n, _ in booking.stalls) >= 2 * local.count(True)  # 4 chunks of 512 each
     assert booking.expected_decode_s > 4.4  # the stalls stretch its decode
     assert closest == sorted(closest) and closest[0] < closest[-1] <= 100, closest  # each adds to r0's stalls
-    refused = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo).alternative
+    refused = core(local_tbt_headroom=0.0).decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo).alternative
     assert isinstance(refused, Rejection) and "decoding there to a TBT of up to" in refused.reason
+    # With the default headroom (20% of the SLO) the stalls stop at 80 ms: fewer prompts go local.
+    p, c = state("p0", "prefill"), state("c0", "colocated")
+    p.prefilling.add("queued", Booking(0.0, 2.0, 8000, 0))
+    _resident(c, "r0", 4.4)
+    kept = []
+    for i in range(8):
+        plan = core().decide_conditional(0.0, shape(2048, output=8), {}, [p], [c], slo)
+        kept.append(is_local(plan))
+        ConductorCore.book(0.0, f"q{i}", plan, shape(2048, output=8), c if is_local(plan) else p, c)
+    assert 0 < kept.count(True) < local.count(True) and "less its 20% headroom" in plan.alternative.reason, kept
 
 
 def test_the_slack_rule_takes_the_plan_that_leaves_more_room_under_the_slos_where_cost_takes_the_faster():

@@ -28,6 +28,9 @@ from scheduler.policy import ConductorPolicy, CopySource, Plan, Rejection, decod
 from scheduler.stalls import prompt_stalls
 
 LOCAL_RETRIES = 2  # colocated instances skipped per request for stalling their decodes, before a refusal
+# A deferred prompt is planned again at most this often: a request the models say is overdue leaves at some step's
+# end, and re-planning the prompt at every step until it does costs the Conductor more than the wait gains.
+DEFER_MIN_S = 0.1
 
 
 @dataclass
@@ -224,8 +227,9 @@ def _no_share(instance_id: str, start: float) -> float:
 
 
 def _next_leave(residents: Sequence[Resident], step: float) -> float:
-    """Seconds until the first of ``residents`` is expected to leave: a decode step from now at the soonest."""
-    return max(min((r.t_leave for r in residents), default=math.inf), step)
+    """Seconds until the first of ``residents`` is expected to leave: a decode step (and ``DEFER_MIN_S``) from now
+    at the soonest."""
+    return max(min((r.t_leave for r in residents), default=math.inf), step, DEFER_MIN_S)
 
 
 def _queued(m: InstanceState, now: float) -> Queued:

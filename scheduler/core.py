@@ -227,8 +227,7 @@ def _no_share(instance_id: str, start: float) -> float:
 
 
 def _next_leave(residents: Sequence[Resident], step: float) -> float:
-    """Seconds until the first of ``residents`` is expected to leave: a decode step (and ``DEFER_MIN_S``) from now
-    at the soonest."""
+    """Seconds until the first of ``residents`` is expected to leave; a step and ``DEFER_MIN_S`` from now at least."""
     return max(min((r.t_leave for r in residents), default=math.inf), step, DEFER_MIN_S)
 
 

@@ -913,8 +913,9 @@ def _capacities(record):
     return {spec: c["capacity"][0]["capacity"] for spec, c in record["contenders"].items()}
 
 
-PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "trace-peers", "trace-slack", "shared-prefix",
-                  "shared-prefix-rule", "shared-prefix-pd", "shared-prefix-slack", "agent")  # fmt: skip
+PER_TOKEN_RUNS = ("trace", "trace-replan", "trace-routers", "trace-peers", "trace-defer", "trace-slack",
+                  "shared-prefix", "shared-prefix-rule", "shared-prefix-pd", "shared-prefix-slack",
+                  "agent")  # fmt: skip
 
 
 def _per_token_readme():
@@ -1083,6 +1084,38 @@ def test_the_per_token_side_by_side_run_says_what_its_json_says():
     _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-peers/routers.json")
 
 
+def test_the_per_token_deferring_run_says_what_its_json_says():
+    readme = _per_token_readme()
+    first, _, _ = _per_token("trace")
+    earlier, before, _ = _per_token("trace-peers")
+    record, cap, _ = _per_token("trace-defer")
+    assert _workload(record["command"].replace("--capacity 4 14", "--capacity 8 24")) == _workload(first["command"])
+    ours, sglang, dynamo = cap["conductor"], cap["sglang:cache_aware"], cap["dynamo:kv"]
+    assert sglang > dynamo  # the best aggregated peer, as the write-up says
+    claims = [
+        f"| 16 colocated, deferring, side by side (`trace-defer/`) | {ours:g} | {dynamo:g} | {ours / dynamo:.2f}x |",
+        f"| our Conductor | {ours:g} | |",
+        f"| sglang-router cache_aware | {sglang:g} | {ours / sglang:.2f}x |",
+        f"| Dynamo aggregated (KV router, mocker engines) | {dynamo:g} | {ours / dynamo:.2f}x |",
+        f"**{ours / sglang:.2f}x the best aggregated peer, still under the 1.3x issue 29 asks.**",
+        f"(sglang-router {sglang:g} against {before['sglang:cache_aware']:g}, Dynamo {dynamo:g} against "
+        f"{before['dynamo:kv']:g}) and ours slightly more ({ours:g} against {before['conductor']:g})",
+        f"(1.18x to {ours / sglang:.2f}x)",
+    ]
+    assert f"{before['conductor'] / before['sglang:cache_aware']:.2f}x" == "1.18x"
+    rate, s = _first_failing(record, "conductor")
+    pushed = sum(n for why, n in s["errors"].items() if "would push" in why)
+    claims.append(f"ours at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 {s['tbt_ms']['p90']:.0f} ms, "
+                  f"{s['failed']} of 400 not served ({pushed} refused as pushing")  # fmt: skip
+    held = _summaries(record)["conductor"][f"rate={ours:g}"]
+    claims.append(f"Ours at its capacity: {held['slo_attainment']:.1%} within, TBT p90 {held['tbt_ms']['p90']:.0f} ms")
+    for spec, name in (("sglang:cache_aware", "sglang-router"), ("dynamo:kv", "Dynamo")):
+        rate, s = _first_failing(record, spec)
+        assert s["failed"] == 0
+        claims.append(f"{name} at {rate:g} req/s {s['slo_attainment']:.1%} within, TBT p90 {s['tbt_ms']['p90']:.0f} ms")
+    _assert_quotes(readme, claims, "per-token/README.md disagrees with trace-defer/routers.json")
+
+
 def test_the_per_token_shared_prefix_run_says_what_its_json_says():
     readme = _per_token_readme()
     shared, cap, levels = _per_token("shared-prefix")
@@ -1194,7 +1227,7 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
     _, s_rule_cap, _ = _per_token("shared-prefix-rule")
     agent = {spec: sum(runs) / len(runs) for spec, runs in _repeats(_per_token("agent")[0]).items()}
     _, routers, _ = _per_token("trace-routers")
-    _, peers, _ = _per_token("trace-peers")
+    _, peers, _ = _per_token("trace-defer")
     _, slack, _ = _per_token("trace-slack")
     _, slack_shared, _ = _per_token("shared-prefix-slack")
     mixed, pd, rule = cap["conductor:conditional"], cap["conductor:disaggregated"], again["conductor:conditional"]
@@ -1208,7 +1241,7 @@ def test_the_readme_front_door_quotes_the_per_token_runs_as_their_json_says():
         f"its SLO capacity was {pd / cap['dynamo-pd:kv']:.2f}x Dynamo's on the same 12 prefill + 4 decode split.",
         f"it held {peers['conductor'] / peers['sglang:cache_aware']:.2f}x sglang-router's `cache_aware`, the best "
         f"aggregated peer there, and {peers['conductor'] / peers['dynamo:kv']:.2f}x Dynamo aggregated, run side by "
-        "side",
+        "side (one bisection each)",
         f"held {mixed / rule:.2f}x Dynamo's threshold rule run in the same deployment, but {mixed / pd:.2f}x our own "
         "prefill/decode split;",
         f"the pool held {slack['conductor:conditional'] / slack['conductor:disaggregated']:.2f}x our split in one run, "
